@@ -250,7 +250,8 @@ def main(argv=None) -> int:
     grid = density_grid(0.5, 0.125, 1.0)
     fixed = rng.uniform(0.05, 0.2, (64, 16, 4))
     attn = rng.uniform(0.0, 0.4, (64, 16, 4))
-    costs = UnitCosts.affine(grid, fixed, attn)
+    t = fixed[..., None] + attn[..., None] * grid             # seconds: a third forward
+    costs = UnitCosts(grid, t * (1.0 / 3.0), t * (1.0 - 1.0 / 3.0), attn)
     sens = rng.random((64, 16))
     settings = DSTSettings(0.5, 0.125, 1.0)
     plan_ms = 1e3 * float(rank_dst(costs, sens, settings, None, None, repeats=9)["cpu"]

@@ -57,7 +57,7 @@ class VariantAccumulator:
         self.step_s += sim.step_time_s
         self.imb.append(sim.imbalance)
         self.bubble.append(sim.bubble_fraction)
-        w = costs.weights()
+        w = costs.attn_work
         dw = densities * w
         self.sparse_dw += float(dw.sum())
         self.sparse_w += float(w.sum())

@@ -43,20 +43,20 @@ def pick_band(plans: list, step_time=lambda p: p.report.step_time_planned_s):
     return best
 
 
-def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, guard=None):
-    """The band search (module docstring) as a generator: it yields each round's candidates,
-    is sent their plans (quality costs set for the quality objective) and returns the plan
-    kept. ``narrow``: a slow GPU stands out (``bands.straggler_present``): the narrower bands
-    of ``bands.band_ladder`` are tried first; ``guard``: what a narrower band's density-order
-    plan must not lose in quality (``guard(plan)``: its quality cost)."""
+def band_search(settings: DSTSettings, plans, *, narrow: bool = False, quality=None,
+                guard=None):
+    """The band search (module docstring): the plan kept. ``plans(candidates)``: the plans of a
+    round's (anchor, tolerance) candidates (quality costs set for the quality objective).
+    ``narrow``: a slow GPU stands out (``agreed_stats.straggler_present``): the narrower bands
+    of ``band_ladder`` are tried first; ``guard``: what a narrower band's density-order plan
+    must not lose in quality (``guard(plan)``: its quality cost)."""
     anchor, tolerance = settings.anchor, settings.tolerance
     floors = settings.density_floor * settings.d0, settings.stage_density_floor * settings.d0
 
     def meets(p) -> bool:
         return p.report.meets(*floors)
 
-    best, *narrower = yield (band_ladder(anchor, tolerance) if narrow
-                             else [(anchor, tolerance)])
+    best, *narrower = plans(band_ladder(anchor, tolerance) if narrow else [(anchor, tolerance)])
     if guard is not None and quality is None:       # a narrower band must not lose quality
         for p in narrower:
             p.report.quality_cost = guard(p)
@@ -68,7 +68,7 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
     for rnd in range(SEARCH_ROUNDS):
         ts = _tolerances(lo, hi)
         cands = [(anchor, float(t)) for t in ts]
-        found = yield ([("max", tolerance)] if rnd == 0 else []) + cands
+        found = plans(([("max", tolerance)] if rnd == 0 else []) + cands)
         if rnd == 0:
             ok.append(found.pop(0))                                  # no cuts: always meets
         hits = [i for i, p in enumerate(found) if meets(p)]

@@ -6,9 +6,6 @@ many densities, so it is tabulated once per step on a small grid of densities (m
 between d_min and d_max, plus d0). On the grid, planning is exact table look-ups: no latency-model
 calls inside the planning loop.
 
-Documents routed to the dense kernel (``dense_work``) count at density 1 in every mean density
-(``density_means``), whatever the plan: no plan can cut them.
-
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -57,13 +54,12 @@ class UnitCosts:
     densities: [g] ascending grid; fwd_s, bwd_s: [dp, m, pp, g] seconds; the stage axis holds the
     pipeline's *virtual* stages (``v = chunk * pipeline_ranks + rank``) when ``pipeline_ranks``
     is given and smaller (Megatron's interleaved schedule), else one stage per rank.
-    attn_work: optional [dp, m, pp] dense attention work of each unit, all its layers together
-    (kept block pairs at density 1 x the stage's decoder layers, or anything proportional); the
-    weights of every mean density, so a density is weighted by layers x attention work. Without
-    it the attention part of the cost is used: (t(d_max) - t(d_min)) / (d_max - d_min), which is
-    proportional to that when time is affine in kept block pairs.
+    attn_work: [dp, m, pp] dense attention work of each unit, all its layers together (kept
+    block pairs at density 1 x the stage's decoder layers, or anything proportional); the
+    weights of every mean density, so a density is weighted by layers x attention work.
     dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
-    dense kernel: counted at density 1 in every mean density (None: no routing).
+    dense kernel: counted at density 1 in every mean density, whatever the plan (None: no
+    routing).
     unit_docs: optional (offsets [dp * m + 1], lengths [docs], tokens [dp * m], sparse [docs])
     of every micro-batch's documents (padding left out): their lengths, each micro-batch's tokens
     and which documents run sparse (the others are routed dense). The quality model weighs a
@@ -80,7 +76,7 @@ class UnitCosts:
     densities: np.ndarray
     fwd_s: np.ndarray
     bwd_s: np.ndarray
-    attn_work: Optional[np.ndarray] = None
+    attn_work: np.ndarray
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
     kept_grid: Optional[np.ndarray] = None
@@ -230,27 +226,14 @@ class UnitCosts:
             np.arange(0, near.size, g, dtype=np.int64).reshape(k.shape[:2] + (1,))
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
+        """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp] (one flat gather each)."""
         i = np.asarray(idx)
         g = self.densities.size
-        if i.shape == self.shape and i.dtype.kind in "iu" and i.size and 0 <= i.min() \
-                and i.max() < g and self.fwd_s.flags.c_contiguous \
-                and self.bwd_s.flags.c_contiguous:     # one flat gather per table
-            at = np.arange(0, i.size * g, g).reshape(i.shape) + i
-            return self.fwd_s.reshape(-1).take(at), self.bwd_s.reshape(-1).take(at)
-        i = i[..., None]
-        return (np.take_along_axis(self.fwd_s, i, axis=-1)[..., 0],
-                np.take_along_axis(self.bwd_s, i, axis=-1)[..., 0])
-
-    def weights(self) -> np.ndarray:
-        """[dp, m, pp] weights of the work-weighted mean density."""
-        if self.attn_work is not None:
-            return self.attn_work
-        t = self.total_s
-        span = self.densities[-1] - self.densities[0]
-        if span <= 0:
-            return np.ones(self.shape)
-        return (t[..., -1] - t[..., 0]) / span
+        if i.shape != self.shape or i.dtype.kind not in "iu" or not 0 <= i.min() <= i.max() < g:
+            raise IndexError(f"grid indices of shape {i.shape}: expected {self.shape} integers "
+                             f"in [0, {g})")
+        at = np.arange(0, i.size * g, g).reshape(i.shape) + i
+        return self.fwd_s.reshape(-1).take(at), self.bwd_s.reshape(-1).take(at)
 
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
@@ -333,22 +316,6 @@ class UnitCosts:
                    tables_checked=checked,
                    _total=total.reshape(rows, m, pp, g.size) if checked else None,
                    _formula=formula if checked else None)
-
-    @classmethod
-    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray
-               ) -> "UnitCosts":
-        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), a third
-        of it forward (backward costs about twice the forward); attention work
-        ``attn_s_dense``."""
-        g = np.asarray(densities, dtype=np.float64)
-        fixed = np.asarray(fixed_s, dtype=np.float64)
-        attn = np.asarray(attn_s_dense, dtype=np.float64)
-        if fixed.shape != attn.shape or fixed.ndim != 3:
-            raise ValueError(f"fixed_s {fixed.shape} and attn_s_dense {attn.shape} must both "
-                             "be [dp, m, pp]")
-        t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
-        fwd_fraction = 1.0 / 3.0
-        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, attn)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

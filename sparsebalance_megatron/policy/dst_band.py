@@ -198,7 +198,7 @@ def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple
     # counts as none in the floors (the same seconds, so the makespans stand)
     idx = costs.effective_index(idx.reshape(k, dp, m, nv), i0).reshape(idx.shape)
     plans = []
-    weights = costs.weights()
+    weights = costs.attn_work
     mk_c, idx_c, rev_c = mk_final.reshape(k, dp), idx.reshape((k, dp) + idx.shape[1:]), \
         reverted.reshape(k, dp)
     imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0

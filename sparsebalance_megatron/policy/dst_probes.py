@@ -69,7 +69,7 @@ class RankProbes:
         (sums) and makespans (``free_mk``: max)."""
         idx, mk, kept0, q0 = self.start
         p, nv = self.steps.size, kept0.size
-        self.fills, self.free = [None] * p, [None] * p
+        self.free = [None] * p
         supply_k, supply_q = np.zeros((p, nv)), np.zeros(p)
         demand_k, demand_t, demand_q = np.zeros((p, nv)), np.zeros(p), np.zeros(p)
         below = np.flatnonzero(self.steps >= mk)
@@ -79,14 +79,11 @@ class RankProbes:
             for j in tried[::-1]:                  # deepest first, each from the last
                 cur, f_mk = self._fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
-            own_mk, fills = [f[1] for f in own], []
             for j, step in zip(below.tolist(), self.steps[below].tolist()):
                 # the shallowest fill below the probe (raised earlier), within SCALE of it
-                f = next((own[i] for i, x in enumerate(own_mk) if x <= step), self.start)
-                self.fills[j] = self.free[j] = f
-                fills.append(f)
-            supply_k[below] = np.stack([f[2] for f in fills]) - kept0
-            supply_q[below] = np.array([f[3] for f in fills]) - q0
+                self.free[j] = next((f for f in own if f[1] <= step), self.start)
+            supply_k[below] = np.stack([self.free[j][2] for j in below]) - kept0
+            supply_q[below] = np.array([self.free[j][3] for j in below]) - q0
         self.top = own[0] if below.size else self.start
         chain = list(self._chain(lambda j: None))
         if chain:
@@ -102,7 +99,7 @@ class RankProbes:
         self.demand = (demand_t.copy(), demand_k.copy(), demand_q.copy())
         return {"sum": {"supply_kept": supply_k, "supply_q": supply_q, "demand_kept": demand_k,
                         "demand_total": demand_t, "demand_q": demand_q,
-                        "descending": np.array([f is None for f in self.fills], dtype=float),
+                        "descending": np.where(self.steps >= mk, 0.0, 1.0),
                         "free_kept": np.stack([f[2] for f in self.free]),
                         "free_q": np.array([f[3] for f in self.free])},
                 "max": {"free_mk": np.array([f[1] for f in self.free])}}

@@ -137,7 +137,7 @@ class RankDST:
         self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
         if quality is not None and i_lo < self.ps.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
-        self.w = costs.weights()
+        self.w = costs.attn_work
 
     def ar1(self) -> dict:
         """The rank's AR1 parts: sums and maxima."""
@@ -233,20 +233,16 @@ class RankDST:
             """A row's quality cost, the whole step's (the guard of a narrower band)."""
             return float(a3["quality"][p.k]) / self.a1.tokens
 
-        def replay(search, water: bool):
-            """A band search driven to its end on the rows' agreed views."""
-            asked = next(search)
-            while True:
-                try:               # a KeyError: the tree missed a candidate (a bug)
-                    asked = search.send([view(index[c, water]) for c in asked])
-                except StopIteration as done:
-                    return done.value
+        def views_of(water: bool):
+            """A band search's plans: the rows' agreed views (a KeyError: the tree missed a
+            candidate, a bug)."""
+            return lambda asked: [view(index[c, water]) for c in asked]
 
         if not self.both:
-            kept = replay(band_search(s, narrow=self.narrow, quality=q), q is not None)
+            kept = band_search(s, views_of(q is not None), narrow=self.narrow, quality=q)
         else:               # the quality cost chooses within SPEED_TIE of the faster
-            ordered = replay(band_search(s, narrow=self.narrow, guard=agreed_cost), False)
-            filled = replay(band_search(s, narrow=self.narrow, quality=q), True)
+            ordered = band_search(s, views_of(False), narrow=self.narrow, guard=agreed_cost)
+            filled = band_search(s, views_of(True), narrow=self.narrow, quality=q)
             ordered.report.quality_cost = agreed_cost(ordered)
             fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] \
                 or [filled]

@@ -1,11 +1,5 @@
-"""The quality model (``policy.quality``) on a pipeline's stages and one step's units: every
-check DST makes of a plan's quality goes through here.
-
-``StageQuality``: the model mapped onto the (virtual) stages of a layout (a stage's cost at
-density d is ``sum_g w[s, g] c_g(d)``), with its grid tables; ``BoundQuality``: that on one
-step's units, weighted by their documents' lengths and tokens (``bind``): a plan's change
-against uniform d0 summed over the units (and under each bootstrap replicate: its uncertainty),
-and the water-filling's per-unit scale.
+"""The quality model (``policy.quality``) on a pipeline's stages (``StageQuality``) and on one
+step's units (``BoundQuality``): every check DST makes of a plan's quality goes through here.
 
 Pure numpy; must not import torch or megatron.
 """
@@ -47,26 +41,7 @@ class StageQuality:
     def curves(self, density, rep: Optional[int] = None) -> np.ndarray:
         """[..., nv] every stage's cost against dense with all its layers at ``density`` [...]
         (a scalar or a grid); ``rep``: a bootstrap replicate's curves."""
-        d = np.asarray(density, dtype=np.float64)
-        per = [curve(g.knots, c, d) for g, c in zip(self.cost.groups, _costs(self, rep))]
-        return np.stack(per, axis=-1) @ self.weights.T                 # [..., nv]
-
-    def stage_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
-        """[nv, g] every stage's cost against dense at every grid density (cached per grid)."""
-        return self._cached("cost", grid, rep, lambda g: np.ascontiguousarray(
-            self.curves(g, rep).T))
-
-    def _cached(self, kind: str, grid, rep: Optional[int], make) -> np.ndarray:
-        g = np.asarray(grid, dtype=np.float64)
-        key = (kind, g.tobytes(), rep)
-        cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
-        got = cache.get(key)            # one read: a planner thread and a report may share it
-        if got is None:
-            if len(cache) > 8 * (len(self.cost.bootstrap) + 1):
-                cache.clear()
-            got = make(g)
-            cache[key] = got
-        return got
+        return _group_costs(self, np.asarray(density, dtype=np.float64), rep) @ self.weights.T
 
     def reference(self, rep: Optional[int] = None) -> np.ndarray:
         """[nv] every stage's cost against dense at d0."""
@@ -76,44 +51,42 @@ class StageQuality:
         """[1 + B, nv, g] every stage's change against d0 at every grid density (rho = 1) under
         the fit, then under every bootstrap replicate (cached per grid: DST sums plans by them
         many times a step, under every model at once)."""
-        reps = [None] + list(range(len(self.cost.bootstrap)))
-        return self._cached("change", grid, None, lambda g: np.stack(
-            [self.stage_table(g, r) - self.reference(r)[:, None] for r in reps]))
-
-    def rule(self) -> tuple:
-        """(gamma [1 + B], S0 [1 + B]): the interaction and the stages' summed cost at d0 of the
-        fit, then of every bootstrap replicate (``change``'s constants; made once)."""
-        got = self.__dict__.get("_rule")
+        g = np.asarray(grid, dtype=np.float64)
+        cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
+        got = cache.get(g.tobytes())    # one read: a planner thread and a report may share it
         if got is None:
+            if len(cache) > 8:
+                cache.clear()
             reps = [None] + list(range(len(self.cost.bootstrap)))
-            got = (np.array([self.cost.interaction] + [r.interaction for r in self.cost.bootstrap],
-                            dtype=np.float64),
-                   np.array([float(self.reference(r).sum()) for r in reps]))
-            self.__dict__["_rule"] = got              # frozen: not a field
+            got = np.stack([self.curves(g, r).T - self.reference(r)[:, None] for r in reps])
+            cache[g.tobytes()] = got
         return got
 
-    def operands(self, models, ndim: int, g: int) -> tuple:
-        """``BoundQuality``'s gather of ``models`` for plans of ``ndim`` dimensions on a grid of
-        ``g`` densities (made once): the models' offsets in the flat ``grid_tables`` and their
-        constants (``rule``; gamma 0.0 where no model has an interaction). ``models``: one (an
-        index: the fit 0, replicate r r + 1; offsets [nv], constants floats) or a slice of them
-        (offsets [R, 1, ..., 1, 1, nv], constants [R, 1, ..., 1, 1])."""
-        one = not isinstance(models, slice)
-        key = (models, ndim, g) if one else (models.start, models.stop, ndim, g)
+    @functools.cached_property
+    def rule(self) -> tuple:
+        """(gamma [1 + B], S0 [1 + B]): the interaction and the stages' summed cost at d0 of the
+        fit, then of every bootstrap replicate (``change``'s constants)."""
+        reps = [None] + list(range(len(self.cost.bootstrap)))
+        return (np.array([self.cost.interaction] + [r.interaction for r in self.cost.bootstrap],
+                         dtype=np.float64),
+                np.array([float(self.reference(r).sum()) for r in reps]))
+
+    def operands(self, models: slice, ndim: int, g: int) -> tuple:
+        """``BoundQuality``'s gather of ``models`` (a slice of the fit 0 and replicate r r + 1)
+        for plans of ``ndim`` dimensions on a grid of ``g`` densities (made once): the models'
+        offsets in the flat ``grid_tables`` [R, 1, ..., 1, 1, nv] and their constants
+        (``rule``; [R, 1, ..., 1, 1], gamma 0.0 where no model has an interaction)."""
+        key = (models.start, models.stop, ndim, g)
         cache = self.__dict__.setdefault("_operands", {})       # frozen: not a field
         got = cache.get(key)
         if got is None:
-            nv, (gamma, s0) = self.stages, self.rule()
-            if one:
-                got = (models * nv * g + np.arange(nv) * g, float(gamma[models]),
-                       float(s0[models]))
-            else:
-                first, stop, _ = models.indices(s0.size)
-                lead = (stop - first,) + (1,) * (ndim - 3)
-                at = (np.arange(first, stop) * (nv * g))[:, None] + np.arange(nv) * g  # [R, nv]
-                got = (at.reshape(lead + (1, 1, nv)),
-                       gamma[models].reshape(lead + (1, 1)) if gamma.any() else 0.0,
-                       s0[models].reshape(lead + (1, 1)))
+            nv, (gamma, s0) = self.stages, self.rule
+            first, stop, _ = models.indices(s0.size)
+            lead = (stop - first,) + (1,) * (ndim - 3)
+            at = (np.arange(first, stop) * (nv * g))[:, None] + np.arange(nv) * g      # [R, nv]
+            got = (at.reshape(lead + (1, 1, nv)),
+                   gamma[models].reshape(lead + (1, 1)) if gamma.any() else 0.0,
+                   s0[models].reshape(lead + (1, 1)))
             cache[key] = got
         return got
 
@@ -123,7 +96,7 @@ class StageQuality:
         DST's quality water-filling weighs against attention seconds (scaled per unit by its
         documents, ``BoundQuality.unit_scale``)."""
         g = np.asarray(grid, dtype=np.float64)
-        q = self.stage_table(g)
+        q = self.curves(g).T                                          # [nv, g]
         out = np.full(q.shape, np.inf)
         out[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(g), 0.0)
         return np.minimum.accumulate(out, axis=1)
@@ -147,8 +120,13 @@ class StageQuality:
         stage-summed cost against d0 is ``diff`` and whose factors are (f1, f2) (``factors``):
         ``f1 diff + gamma f2 diff (diff + 2 S0)``, S0 the stages' cost at d0. The one body of the
         model's rule: every check of a plan goes through it."""
-        gamma, s0 = (float(x[0 if rep is None else rep + 1]) for x in self.rule())
+        gamma, s0 = (float(x[0 if rep is None else rep + 1]) for x in self.rule)
         return _change(diff, f1, f2, gamma, s0)
+
+    def summed_change(self, d: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
+        """[...] the stages' summed cost against d0 where stage s runs at ``d[..., s]``."""
+        return (_group_costs(self, d, rep) * self.weights).sum(axis=-1).sum(axis=-1) \
+            - self.reference(rep).sum()
 
     def doc_change(self, densities: np.ndarray, lengths, rep: Optional[int] = None
                    ) -> np.ndarray:
@@ -158,7 +136,7 @@ class StageQuality:
         if d.ndim != 2 or d.shape[1] != self.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [n, {self.stages}] "
                                    f"(one per stage)")
-        diff = _stagewise(self, d, rep).sum(axis=1) - self.reference(rep).sum()
+        diff = self.summed_change(d, rep)
         f1, f2 = self.factors(lengths, np.ones(d.shape[0]), rep)
         return self.change(diff, f1, f2, rep)
 
@@ -203,17 +181,12 @@ def _change(diff, f1, f2, gamma, s0) -> np.ndarray:
     return out
 
 
-def _costs(q: StageQuality, rep) -> tuple:
-    """The groups' cost at their knots: the fit's, or bootstrap replicate ``rep``'s."""
-    return tuple(g.cost_at_knots for g in q.cost.groups) if rep is None \
+def _group_costs(q: StageQuality, d: np.ndarray, rep) -> np.ndarray:
+    """[..., G] every depth group's cost against dense at ``d`` [...]: the fit's curves, or
+    bootstrap replicate ``rep``'s."""
+    costs = tuple(g.cost_at_knots for g in q.cost.groups) if rep is None \
         else q.cost.bootstrap[rep].cost
-
-
-def _stagewise(q: StageQuality, d: np.ndarray, rep) -> np.ndarray:
-    """[..., nv] stage s's cost against dense at its own density d[..., s]."""
-    per = np.stack([curve(g.knots, c, d) for g, c in zip(q.cost.groups, _costs(q, rep))],
-                   axis=-1)                                                  # [..., nv, G]
-    return (per * q.weights).sum(axis=-1)
+    return np.stack([curve(g.knots, c, d) for g, c in zip(q.cost.groups, costs)], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -229,31 +202,27 @@ class BoundQuality:
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
         ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
-        gamma, s0 = (float(x[0]) for x in self.stage.rule())
+        gamma, s0 = (float(x[0]) for x in self.stage.rule)
         return self.f1[0] + 2.0 * gamma * self.f2[0] * s0
 
-    def _sums(self, idx: np.ndarray, grid: np.ndarray, models) -> np.ndarray:
-        """[...] the change summed over the units of plans at grid indices ``idx``
-        [..., dp, m, nv] under one model (``models`` an index: the fit 0, replicate r r + 1),
-        or [R, ...] under a slice of them, every model in one gather."""
+    def _sums(self, idx: np.ndarray, grid: np.ndarray, models: slice) -> np.ndarray:
+        """[R, ...] the change summed over the units of plans at grid indices ``idx``
+        [..., dp, m, nv] under a slice of the models (the fit 0, replicate r r + 1), every
+        model in one gather."""
         tables = self.stage.grid_tables(grid)                            # [1 + B, nv, g]
         at, gamma, s0 = self.stage.operands(models, idx.ndim, tables.shape[2])
-        diff = tables.reshape(-1).take(idx + at).sum(axis=-1)            # [(R,) ..., dp, m]
-        f1, f2 = self.f1[models], self.f2[models]
-        if isinstance(models, slice) and diff.ndim > 3:                 # [R, 1, ..., dp, m]
-            shape = at.shape[:-3] + f1.shape[1:]
-            f1, f2 = f1.reshape(shape), f2.reshape(shape)
+        diff = tables.reshape(-1).take(idx + at).sum(axis=-1)            # [R, ..., dp, m]
+        shape = at.shape[:-3] + self.f1.shape[1:]                        # [R, 1, ..., dp, m]
+        f1, f2 = self.f1[models].reshape(shape), self.f2[models].reshape(shape)
         return _change(diff, f1, f2, gamma, s0).sum(axis=(-2, -1))
 
     def sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[...] the model's change summed over the units of plans at grid indices ``idx``
         [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change)."""
-        return self._sums(idx, grid, 0)
+        return self._sums(idx, grid, slice(0, 1))[0]
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        """[..., B] ``sums_at`` under every bootstrap replicate."""
-        if self.f1.shape[0] < 2:                                        # no replicates
-            return np.zeros(np.shape(idx)[:-3] + (0,))
+        """[..., B] ``sums_at`` under every bootstrap replicate (B may be 0)."""
         return np.moveaxis(self._sums(idx, grid, slice(1, None)), 0, -1)
 
     def plan_cost(self, densities: np.ndarray) -> float:
@@ -263,7 +232,7 @@ class BoundQuality:
         if d.ndim != 3 or d.shape[2] != self.stage.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
                                    f"{self.stage.stages}] (one per stage)")
-        diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
+        diff = self.stage.summed_change(d)
         return float(self.stage.change(diff, self.f1[0], self.f2[0]).sum()) / self.tokens
 
     def uncertainty(self, replicate_sums: np.ndarray, tokens: float) -> np.ndarray:

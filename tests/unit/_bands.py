@@ -79,15 +79,9 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     found = []
     for water in objectives or ([False, True] if both else [quality is not None]):
         guard = (lambda p: quality.plan_cost(p.densities)) if both and not water else None
-        search = band_search(s, narrow=narrow, quality=quality if water else None, guard=guard)
-        cands = next(search)
-        while True:
-            try:
-                cands = search.send(band_plans(costs, sensitivity, s, cands,
-                                               quality if water else None))
-            except StopIteration as done:
-                found.append(done.value)
-                break
+        found.append(band_search(
+            s, lambda cands: band_plans(costs, sensitivity, s, cands, quality if water else None),
+            narrow=narrow, quality=quality if water else None, guard=guard))
     plan = found[-1]
     if both:
         ordered, filled = found
@@ -108,7 +102,7 @@ def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndar
     ``SPEED_TIE``. The reference the planner's per-rank probes are held against."""
     s, r = settings, plan.report
     floor, stage_floor = descent_floors(s)
-    w, dense = costs.weights(), costs.dense_work
+    w, dense = costs.attn_work, costs.dense_work
     i0, i_min, i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
 
     def meets(d):

@@ -35,7 +35,7 @@ def test_descent_never_slower_keeps_the_floors_and_quality():
         assert t <= t_band * (1 + 1e-12)                      # never slower than the band plan
         assert t <= step_time_of(costs, np.full(d.shape, D0)) * (1 + 1e-12)
         assert np.all((d >= DMIN - 1e-12) & (d <= DMAX + 1e-12))
-        w = costs.weights()
+        w = costs.attn_work
         assert weighted_mean_density(d, w) >= 0.9 * D0 - 1e-9
         assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
         if q is not None:
@@ -212,7 +212,7 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
         start = rng.integers(i_min, i_max + 1, costs.shape) if case % 2 else \
             np.full(costs.shape, costs.index_of(D0))
         floor = float(rng.uniform(0.3, 0.6))               # some rounds fail the floor
-        w = costs.weights()
+        w = costs.attn_work
 
         def meets(d):
             return weighted_mean_density(d, w) >= floor
@@ -269,7 +269,7 @@ def test_a_round_from_the_last_rounds_search_plans_what_a_cold_search_plans(monk
                               pipeline_ranks=pp // vp, tables_checked=True)
         i_min, i_max = costs.index_of(DMIN), costs.index_of(DMAX)
         start = np.full(costs.shape, costs.index_of(D0))
-        w = costs.weights()
+        w = costs.attn_work
 
         def meets(d, floor=(1.0 if case % 3 else 0.5) * D0):     # d0: the descent's own
             return weighted_mean_density(d, w) >= floor

@@ -8,10 +8,11 @@ meaning."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, plan_dst
+from sparsebalance_megatron.policy import DSTSettings, density_grid, plan_dst
 from tests.unit._bands import band_plan
 from sparsebalance_megatron.policy.agreed_stats import straggler_present
 from sparsebalance_megatron.policy.bands import NARROW_MARGIN, band_ladder, pick_band
+from tests.unit._costs import affine_costs
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
 BAND = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
@@ -32,7 +33,7 @@ def _slow_rank_costs(dp=4, m=4, pp=2, slow_rank=1, factor=1.1):
     attn = np.full((dp, m, pp), 1.2)
     fixed[slow_rank] *= factor
     attn[slow_rank] *= factor
-    return UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    return affine_costs(density_grid(D0, DMIN, DMAX), fixed, attn)
 
 
 def test_band_ladder_configured_band_first_then_narrower():
@@ -133,7 +134,7 @@ def test_a_heavier_stage_inside_the_band_stays_uncut_without_a_slow_gpu():
     0.1): a narrower band would cut it, but no GPU is slow, so the configured band decides."""
     fixed = np.ones((2, 4, 2))
     fixed[..., 1] *= 1.05
-    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, np.full((2, 4, 2), 1.2))
+    costs = affine_costs(density_grid(D0, DMIN, DMAX), fixed, np.full((2, 4, 2), 1.2))
     alone = band_plan(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     for scale in (None, np.ones((2, 2)), np.array([[1.0, 1.04], [1.0, 1.0]])):
         plan = plan_dst(costs, None, BAND, rank_scale=scale)

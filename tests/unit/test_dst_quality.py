@@ -6,9 +6,10 @@ and the density objective stays selectable; with the descent the quality search 
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, plan_dst
+from sparsebalance_megatron.policy import DSTSettings, density_grid, plan_dst
 from sparsebalance_megatron.policy.dst_band import SPEED_TIE
 from tests.unit._bands import band_plan, band_plans, central_plan, rule_free
+from tests.unit._costs import affine_costs
 
 from test_policy_dst import (D0, DMAX, DMIN, _quality, plan_dst_from_config, step_time_of,
                              synthetic_costs)
@@ -21,7 +22,7 @@ def test_quality_water_filling_spreads_cuts_over_equal_micro_batches():
     g = density_grid(D0, DMIN, DMAX)
     fixed = np.ones((1, 4, 2))
     fixed[..., 1] += 0.6                                   # LM-head stage
-    costs = UnitCosts.affine(g, fixed, np.full((1, 4, 2), 1.0))
+    costs = affine_costs(g, fixed, np.full((1, 4, 2), 1.0))
     sens = np.asarray([[0.1, 0.2, 0.3, 0.4]])
     q = _quality(2).bind(costs)
     fill = band_plans(costs, sens, DSTSettings(D0, DMIN, DMAX), [("mean", 0.0)], quality=q)[0]

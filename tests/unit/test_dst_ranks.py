@@ -60,7 +60,7 @@ def test_dp1_keeps_the_central_band_plan_or_descends_from_it(objective):
                 continue
             assert s.descent
             descended += 1
-            r, d, w = dec.report, dec.densities, costs.weights()
+            r, d, w = dec.report, dec.densities, costs.attn_work
             assert r.step_time_planned_s < central.report.step_time_planned_s * (1 - SPEED_TIE)
             assert step_time_of(costs, d) == pytest.approx(r.step_time_planned_s, rel=1e-12)
             assert r.mean_density == pytest.approx(weighted_mean_density(d, w), rel=1e-12)
@@ -96,7 +96,7 @@ def test_the_decomposed_plan_keeps_the_floors_and_is_close(objective):
         s = DSTSettings(D0, DMIN, DMAX, **FLOORS)
         central = _descended(costs, sens, rule_free(s), quality=q)
         dec = plan_dst(costs, sens, rule_free(s), quality=q)
-        d, w = dec.densities, costs.weights()
+        d, w = dec.densities, costs.attn_work
         t = step_time_of(costs, d)
         assert t == pytest.approx(dec.report.step_time_planned_s, rel=1e-12)
         assert t <= step_time_of(costs, np.full(d.shape, D0)) * (1 + 1e-12)
@@ -121,7 +121,7 @@ def test_the_other_ranks_raises_pay_a_critical_ranks_cuts():
     q, s = _quality(4), DSTSettings(D0, DMIN, DMAX, **FLOORS)
     central = _descended(costs, None, rule_free(s), quality=q)
     dec = plan_dst(costs, None, rule_free(s), quality=q)
-    d, w = dec.densities, costs.weights()
+    d, w = dec.densities, costs.attn_work
     assert step_time_of(costs, d) <= step_time_of(costs, central)
     assert step_time_of(costs, d) < dec.report.step_time_static_s * 0.93
     assert weighted_mean_density(d, w) >= D0 - 1e-9 and q.bind(costs).plan_cost(d) <= 1e-12
@@ -143,7 +143,7 @@ def test_a_rank_slice_is_the_ranks_rows():
     c = rank_slice(costs, 1)
     assert c.shape == (1, 4, 2)
     np.testing.assert_array_equal(c.total_s[0], costs.total_s[1])
-    np.testing.assert_array_equal(c.weights()[0], costs.weights()[1])
+    np.testing.assert_array_equal(c.attn_work[0], costs.attn_work[1])
 
 
 def test_a_slow_gpu_narrows_the_band_alike():
@@ -168,14 +168,14 @@ def test_routed_work_counts_in_the_agreed_densities():
         c, sens, _ = _case(rng, dp)
         costs = UnitCosts(c.densities, c.fwd_s, c.bwd_s, c.attn_work,
                           pipeline_ranks=c.pipeline_ranks,
-                          dense_work=c.weights() * rng.uniform(0, 0.5, c.shape))
+                          dense_work=c.attn_work * rng.uniform(0, 0.5, c.shape))
         s = DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS)
         central = _central(costs, sens, rule_free(s))
         dec = plan_dst(costs, sens, rule_free(s))
         np.testing.assert_array_equal(dec.densities, central.densities)
         assert dec.report.mean_density == pytest.approx(central.report.mean_density, rel=1e-12)
         full = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS))
-        w = costs.weights()
+        w = costs.attn_work
         assert weighted_mean_density(full.densities, w, costs.dense_work) >= 0.9 * D0 - 1e-9
 
 
@@ -238,7 +238,7 @@ def test_the_missed_row_at_128k():
     t, t_want = (plan_step_time_s(costs, d, p2p) for d in (plan.densities, want))
     assert plan.report.step_time_static_s > t_want * 1.01       # the descent has work to do
     assert t <= t_want * 1.005, t / t_want
-    assert weighted_mean_density(plan.densities, costs.weights(),
+    assert weighted_mean_density(plan.densities, costs.attn_work,
                                  costs.dense_work) >= 0.5 - 1e-9
     assert q.bind(costs).plan_cost(plan.densities) <= 1e-12
 

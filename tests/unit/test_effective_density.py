@@ -91,7 +91,7 @@ def test_effective_index_moves_to_the_nearest_index_keeping_as_many():
     grid = np.array([0.125, 0.25, 0.375, 0.5, 0.75, 1.0])
     kept = np.array([[[5.0, 5.0, 5.0, 7.0, 7.0, 9.0]]])             # [1, 1, g]
     t = 1.0 + kept[:, :, None, :]
-    costs = UnitCosts(grid, t, t, kept_grid=kept)
+    costs = UnitCosts(grid, t, t, t[..., 0], kept_grid=kept)
     i0 = 1
     got = [int(costs.effective_index(np.array([[[i]]]), i0)[0, 0, 0]) for i in range(6)]
     # 0 and 2 keep what d0 keeps: back to d0; 4 keeps what 3 does (the lowest); 5 stays
@@ -101,10 +101,10 @@ def test_effective_index_moves_to_the_nearest_index_keeping_as_many():
     t2 = t.copy()
     t2[..., 0] -= 0.5
     t2[..., 2] += 0.5
-    costs = UnitCosts(grid, t2, t2, kept_grid=kept)
+    costs = UnitCosts(grid, t2, t2, t2[..., 0], kept_grid=kept)
     assert int(costs.effective_index(np.array([[[2]]]), i0)[0, 0, 0]) == 1
     assert int(costs.effective_index(np.array([[[0]]]), i0)[0, 0, 0]) == 0
-    assert np.array_equal(UnitCosts(grid, t, t).effective_index(np.array([[[4]]]), i0), [[[4]]])
+    assert np.array_equal(UnitCosts(grid, t, t, t[..., 0]).effective_index(np.array([[[4]]]), i0), [[[4]]])
 
 
 def test_a_raise_that_keeps_only_padding_blocks_pays_for_no_cut():
@@ -144,7 +144,7 @@ def test_effective_index_of_a_small_slice_is_one_gather_with_the_same_answers():
     kept = np.cumsum(rng.random((dp, m, g)) < 0.3, axis=-1).astype(float)   # runs of equals
     f = 1.0 + kept[:, :, None, :] + np.where(rng.random((dp, m, pp, g)) < 0.2, 0.5, 0.0)
     f = np.maximum.accumulate(f, axis=-1)               # padding: some runs' seconds differ
-    whole = UnitCosts(grid, f, 2 * f, kept_grid=kept)
+    whole = UnitCosts(grid, f, 2 * f, f[..., 0], kept_grid=kept)
     assert whole.fwd_s.size > 1 << 15
     for i0 in (0, 20, g - 1):
         idx = rng.integers(0, g, (5, dp, m, pp))

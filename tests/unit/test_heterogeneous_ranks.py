@@ -35,7 +35,7 @@ def test_bad_slow_rank_is_named(text, needle):
 
 def test_interleaved_virtual_stages_slow_on_their_pipeline_rank():
     ones = np.ones((2, 1, 4, 2))                 # dp 2, m 1, pp 2 x vp 2, grid of 2
-    c = UnitCosts(np.array([0.5, 1.0]), ones, ones, pipeline_ranks=2)
+    c = UnitCosts(np.array([0.5, 1.0]), ones, ones, ones[..., 0], pipeline_ranks=2)
     s = scale_costs(c, [SlowRank(3, 2.0)])       # dp rank 1, pipeline rank 1: stages 1 and 3
     assert s.fwd_s[0].max() == 1.0
     assert s.fwd_s[1, 0, :, 0].tolist() == [1.0, 2.0, 1.0, 2.0]

@@ -62,7 +62,7 @@ def test_empty_and_lm_head_only_stages_cost_their_embedding_head_and_p2p(lm):
     assert np.all(f[..., 0] < f[..., 1])              # the embedding alone: less than 8 layers
     step = simulate_1f1b(f, b, lm.p2p_s).step_time_s
     assert step > (f + b)[0, :, :].sum(axis=0).max()             # p2p and fill on top
-    assert c.weights()[..., 2].sum() == 0 == c.weights()[..., 0].sum()
+    assert c.attn_work[..., 2].sum() == 0 == c.attn_work[..., 0].sum()
     assert lay.layout_string() == "E|t*8||L"
 
 

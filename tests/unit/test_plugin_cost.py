@@ -172,7 +172,8 @@ def test_the_quality_refresh_is_charged_to_the_runs_that_plan_dst(tmp_path):
 
     fwd = np.zeros((2, 3, 2, 2))
     fwd[..., 0] = np.arange(12).reshape(2, 3, 2) * 0.01     # at d0 = 0.5: stage sums 0.01..0.21
-    costs = UnitCosts(np.array([0.5, 1.0]), fwd + np.array([0.0, 1.0]), np.ones((2, 3, 2, 2)))
+    costs = UnitCosts(np.array([0.5, 1.0]), fwd + np.array([0.0, 1.0]), np.ones((2, 3, 2, 2)),
+                      np.ones((2, 3, 2)))
     assert refresh_s(costs, 0.5, 4, 3) == pytest.approx(4 * 0.11 / 4)   # mean stage sum 0.11
     assert refresh_s(costs, 0.5, 0, 3) == 0.0
     cost = _cost(tmp_path, planner=_scaled(PLANNER, 1e-3))

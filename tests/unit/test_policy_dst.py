@@ -11,6 +11,7 @@ from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid,
                                            plan_dst, weighted_mean_density)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
 from tests.unit._bands import band_plan, band_plans
+from tests.unit._costs import affine_costs
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
 
@@ -29,7 +30,7 @@ def synthetic_costs(dp, m, pp, seed, grid=None, lm_head=0.3, attn_scale=1.6):
     fixed[..., -1] += lm_head
     attn_s = np.broadcast_to(attn[:, :, None] * attn_scale, (dp, m, pp)).copy()
     g = density_grid(D0, DMIN, DMAX) if grid is None else grid
-    return UnitCosts.affine(g, fixed, attn_s)
+    return affine_costs(g, fixed, attn_s)
 
 
 def plan_dst_from_config(config, costs, sensitivity, p2p_s=0.0, raise_headroom=None,
@@ -79,7 +80,7 @@ def test_straggler_rank_is_cut_least_sensitive_first_and_others_raised():
     fixed = np.ones((dp, m, pp))
     attn = np.full((dp, m, pp), 0.4)
     attn[2] = 3.0                                   # rank 2 holds the long documents
-    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    costs = affine_costs(density_grid(D0, DMIN, DMAX), fixed, attn)
     sens = np.tile(np.array([0.3, 0.1, 0.4, 0.2]), (dp, 1))
     plan = band_plan(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     d, rep = plan.densities[..., 0], plan.report
@@ -101,7 +102,7 @@ def test_cheaper_stage_is_raised_without_growing_step_time():
     fixed = np.ones((dp, m, pp))
     fixed[..., 1] = 1.8                             # last stage: LM head + loss
     attn = np.full((dp, m, pp), 0.6)
-    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    costs = affine_costs(density_grid(D0, DMIN, DMAX), fixed, attn)
     plan = band_plan(costs, None, D0, DMIN, DMAX, anchor="max")
     d = plan.densities
     assert np.all(d[:, 1:-1, 0] > D0)               # first stage fills its bubble
@@ -173,15 +174,15 @@ def test_bad_bounds_and_shapes():
     with pytest.raises(ValueError, match="not on the cost grid"):
         band_plan(costs, None, 0.51, DMIN, DMAX)
     with pytest.raises(ValueError, match="bwd_s"):
-        UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s[:, :1])
+        UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s[:, :1], costs.attn_work)
     with pytest.raises(ValueError, match="finite"):
-        UnitCosts(costs.densities, -costs.fwd_s, costs.bwd_s)
+        UnitCosts(costs.densities, -costs.fwd_s, costs.bwd_s, costs.attn_work)
 
 
 def test_costs_are_made_monotone_in_density():
     g = np.array([0.25, 0.5, 1.0])
     f = np.array([1.0, 0.9, 1.2]).reshape(1, 1, 1, 3)
-    c = UnitCosts(g, f, f)
+    c = UnitCosts(g, f, f, f[..., 0])
     assert np.all(np.diff(c.fwd_s, axis=-1) >= 0)
 
 
@@ -286,7 +287,7 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
         floored = plan_dst(costs, sens, DSTSettings(
             D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9, descent=False))
         static = step_time_of(costs, np.full((dp, m, pp), D0))
-        mean = weighted_mean_density(floored.densities, costs.weights())
+        mean = weighted_mean_density(floored.densities, costs.attn_work)
         assert mean >= 0.9 * D0 - 1e-9
         assert step_time_of(costs, floored.densities) <= static * (1 + 1e-9)
         assert np.all(floored.densities >= DMIN - 1e-12)
@@ -310,7 +311,7 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
         dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=300 + case, lm_head=float(rng.uniform(0.5, 3)))
         sens = rng.random((dp, m))
-        w = costs.weights()
+        w = costs.attn_work
         raw = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9))
         fed = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9,
                                                            stage_density_floor=0.75))

@@ -11,6 +11,7 @@ from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
 from sparsebalance_megatron.policy.stand_down import (StandDownCounts, choose_step,
                                                       outcome_rounds, plan_step_time_s)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
+from tests.unit._costs import affine_costs
 from test_policy_dst import plan_dst_from_config
 
 D0 = 0.5
@@ -24,7 +25,7 @@ def dst_outcome(costs, d0, p2p_s=0.0, plan=None, enabled=True, payload=None):
 
 
 def affine(fixed, attn):
-    return UnitCosts.affine(GRID, np.asarray(fixed, float), np.asarray(attn, float))
+    return affine_costs(GRID, np.asarray(fixed, float), np.asarray(attn, float))
 
 
 def plan_with(costs, changes):
@@ -81,12 +82,12 @@ def test_a_raised_plan_may_equal_the_static_step_time_but_not_exceed_it():
     assert out.dst_stood_down is False and np.array_equal(out.densities, raised)
     assert out.step_s <= static_s
     # equal: rank 0 itself at a density whose time is the same (a flat cost grid)
-    flat = UnitCosts.affine(GRID, np.full((1, 2, 1), 3.0), np.zeros((1, 2, 1)))
+    flat = affine_costs(GRID, np.full((1, 2, 1), 3.0), np.zeros((1, 2, 1)))
     up = plan_with(flat, {(0, 0, 0): 1.0})
     tie = dst_outcome(flat, D0, plan=up)
     assert tie.planned_s == tie.static_s and tie.dst_stood_down is False
     # a hair above: stands down
-    over = UnitCosts.affine(GRID, np.full((1, 2, 1), 3.0), np.full((1, 2, 1), 1e-6))
+    over = affine_costs(GRID, np.full((1, 2, 1), 3.0), np.full((1, 2, 1), 1e-6))
     assert dst_outcome(over, D0, plan=plan_with(over, {(0, 0, 0): 1.0})).dst_stood_down
 
 
@@ -275,19 +276,18 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
 
 
 def test_unit_costs_at_grid_indices_gathers_like_take_along_axis():
-    # the flat gather (the rule's step times) against numpy's take_along_axis, and the
-    # shapes and indices the flat path leaves to it (broadcast rows, negative indices)
+    # the flat gather (the rule's step times) against numpy's take_along_axis; an index off the
+    # grid, or indices not one per unit, would read another unit's row: refused
     rng = np.random.default_rng(8)
     costs = affine(rng.random((3, 4, 2)), rng.random((3, 4, 2)))
     g = costs.densities.size
-    for idx in (rng.integers(0, g, costs.shape), rng.integers(-g, g, costs.shape),
-                rng.integers(0, g, (3, 4, 1))):
-        want = [np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
-                for t in (costs.fwd_s, costs.bwd_s)]
-        got = costs.at(idx)
-        assert all(np.array_equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(IndexError):
-        costs.at(np.full(costs.shape, g))
+    idx = rng.integers(0, g, costs.shape)
+    want = [np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
+            for t in (costs.fwd_s, costs.bwd_s)]
+    assert all(np.array_equal(a, b) for a, b in zip(costs.at(idx), want))
+    for bad in (np.full(costs.shape, g), np.full(costs.shape, -1), np.zeros((3, 4, 1), int)):
+        with pytest.raises(IndexError):
+            costs.at(bad)
 
 
 def test_runtime_plans_dst_on_both_packings_by_default_and_once_when_static(monkeypatch):
