@@ -103,6 +103,25 @@ def test_packed_equals_transformers(packed, hf_model):
     assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]      # tied, as transformers
 
 
+def test_tokenizer_is_the_one_auto_tokenizer_builds():
+    """``load_hf_gguf``'s tokenizer, built without ``AutoTokenizer``'s config parse, is the one
+    ``AutoTokenizer`` builds (the config here comes from the module's parsed reader)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    d, name = os.path.split(GGUF_PATH)
+    ref = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    got = hf_convert.load_hf_gguf(GGUF_PATH, with_model=False)[1]
+    assert type(got) is type(ref)
+    assert got.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    assert got.init_kwargs == ref.init_kwargs and len(got) == len(ref)
+    assert got.special_tokens_map == ref.special_tokens_map
+    text = "def f(x):\n    return x + 1  # é 日本 <|im_start|> The passkey is 71432."
+    for special in (False, True):
+        assert got(text, add_special_tokens=special)["input_ids"] \
+            == ref(text, add_special_tokens=special)["input_ids"]
+
+
 @pytest.mark.usefixtures("megatron_single_process")    # tests/conftest.py
 def test_megatron_from_packed_matches_transformers(packed, hf_model):
     sd, arch = load_packed(packed[0])
