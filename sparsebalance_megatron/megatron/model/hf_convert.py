@@ -383,9 +383,13 @@ def _gguf_tokenizer(path: str):
                      ("accelerate", "accelerate")):
         require_package(mod, pip)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import PreTrainedTokenizerFast
+    import transformers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     d, name = os.path.split(path)
-    return PreTrainedTokenizerFast.from_pretrained(d, gguf_file=name)
+    # transformers 4 may pick a model's own class (LlamaTokenizerFast): there, AutoTokenizer
+    major = int(transformers.__version__.split(".")[0])
+    return (PreTrainedTokenizerFast if major >= 5 else AutoTokenizer).from_pretrained(
+        d, gguf_file=name)
