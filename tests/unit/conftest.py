@@ -34,6 +34,8 @@ sys.path.insert(0, sys.argv[1])
 spec = importlib.util.spec_from_file_location("interp_checks", sys.argv[2])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
+from tests.unit._interpreter import skip_dead_overflow_checks
+skip_dead_overflow_checks()
 for line in sys.stdin:
     name, kw = json.loads(line)
     try:
@@ -53,7 +55,9 @@ def interp(request):
 
     Triton decides at decoration time whether a kernel is interpreted, so kernels that must run
     on CPU are imported there (whatever this process imported before is untouched). The worker
-    loads the requesting test file itself; a check fails the test with the worker's traceback."""
+    loads the requesting test file itself; a check fails the test with the worker's traceback.
+    The interpreter's int32 overflow checks, which it computes and then drops, are skipped
+    (``tests/unit/_interpreter.py``)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(_REPO))
     proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(_REPO), request.module.__file__],

@@ -24,7 +24,9 @@ import torch
 from sparsebalance_megatron.attention import block_sparse_attention
 from tests.unit._host_syncs import HostSyncCounter
 
-CU_16 = [0, 37, 38, 138, 166]          # block 16: short last blocks, a 1-token document
+# block 16: short last blocks, a 1-token document, a 5-block one (sparse at density 0.4); few
+# blocks, as the interpreter runs every program in Python
+CU_16 = [0, 21, 22, 99]
 CU_128 = [0, 300, 301, 813]            # block 128 (fa4's)
 SETUP_FROM_TENSOR = {"reads": ["tolist"], "writes": ["aten.lift_fresh"], "waits": []}
 NONE = {"reads": [], "writes": [], "waits": []}
@@ -253,7 +255,8 @@ def check_gpu_backend_layers(backend, hn, per_head=False, mode="density", cu_ten
     from sparsebalance_megatron.attention import fa4_cute
     bs, cu = (128, CU_128) if backend == "fa4" else (16, CU_16)
     dtype = torch.float16 if backend == "fa4" else torch.float32
-    q, k, v = _qkv(cu[-1], 6, 2, hn, seed=2, dtype=dtype)
+    nh = 6 if backend == "fa4" else 4       # fa4: the per-head backward's 3 K/V copies a group
+    q, k, v = _qkv(cu[-1], nh, 2, hn, seed=2, dtype=dtype)
     cu_in = torch.tensor(cu) if cu_tensor else cu
     kw = dict(block_size=bs, backend=backend, cache={}, local_blocks=1, selection_mode=mode,
               estimator="maxkey", mass_threshold=0.5, max_density=0.6)

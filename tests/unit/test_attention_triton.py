@@ -249,6 +249,38 @@ def check_refusals_and_fake_op():
         assert out.shape == (t, nh, hn) and lse.shape == (nh, 5 * BS) and lse.dtype == torch.float32
 
 
+def check_overflow_checks_are_dead():
+    """The premise of ``tests/unit/_interpreter.py``: with its overflow checks computed, the
+    interpreter lets an int32 overflow in a kernel pass unless ``debug`` is set (then it
+    raises); the worker skips the computation."""
+    from dataclasses import replace
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def _times(x_ptr, y_ptr, out_ptr):
+        tl.store(out_ptr, tl.load(x_ptr) * tl.load(y_ptr))      # int32 * int32
+
+    builder = interpreter.interpreter_builder
+    saved = builder.options
+    assert not saved.sanitize_overflow and not saved.debug
+    x, y = (torch.tensor([v], dtype=torch.int32) for v in (2 ** 30, 4))
+    raised = {}
+    try:
+        for debug in (False, True):
+            builder.options = replace(saved, sanitize_overflow=True, debug=debug)
+            try:
+                _times[(1,)](x, y, torch.empty_like(x))
+                raised[debug] = ""
+            except Exception as e:      # the interpreter wraps the kernel's AssertionError
+                raised[debug] = f"{e!r} {e.__cause__!r}"
+    finally:
+        builder.options = saved
+    assert raised[False] == "" and "int32 overflow detected" in raised[True], raised
+
+
 def _odd(x):
     """``x``'s values as a contiguous view one element into a fresh buffer (differentiable):
     ``.contiguous()`` returns it uncopied and its data pointer is not 16-byte aligned."""
@@ -299,10 +331,12 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     dict(nh=4, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=0, kv_chunk=2, bs=32,
          config=dict(bwd_block_n=16, bwd_block_m=64)),
     # the target shapes' default configs (the compile gate's "default" rows: 8/2/128 and 14/2/64
-    # at block 128, 8/2/128 at block 64), their tiles at head dim 32; split sink columns
-    dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+    # at block 128, 8/2/128 at block 64), their tiles at head dim 32; split sink columns. The
+    # tiles follow the query heads per group (4, 7), which stay; at block 128 one KV group of
+    # them (the group's offsets are the block-64 case's and every case above's)
+    dict(nh=4, ng=1, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
          tokens=True, bs=128, cu=CU_128, tiles_of=[128, 128, 4]),
-    dict(nh=14, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+    dict(nh=7, ng=1, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
          tokens=True, bs=128, cu=CU_128, tiles_of=[64, 128, 7], dtype="float16", tol=3e-3),
     dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
          tokens=True, bs=64, cu=CU_128, tiles_of=[128, 64, 4]),
@@ -343,6 +377,10 @@ def test_aligned_copies_only_what_needs_it():
     assert z.data_ptr() % 16 == 0 and z.data_ptr() != y.data_ptr() and torch.equal(z, x)
     t = x.transpose(0, 1)                  # not contiguous: copied by .contiguous() already
     assert aligned(t).is_contiguous() and aligned(t).data_ptr() % 16 == 0
+
+
+def test_the_interpreters_overflow_checks_are_dead_work(interp):
+    interp("check_overflow_checks_are_dead")
 
 
 def test_a_wrong_list_is_caught(interp):
