@@ -118,11 +118,6 @@ class BatchPlan:
     def num_microbatches(self) -> int:
         return len(self.micro_batches[0]) if self.micro_batches else 0
 
-    def lengths(self) -> list:
-        """[dp][m] int64 arrays of segment lengths (the documents attention sees)."""
-        return [[np.asarray([e - s for _, s, e in mb], dtype=np.int64) for mb in rank]
-                for rank in self.micro_batches]
-
     def unit_csr(self, with_padding: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The micro-batches as latency-model units in CSR form, rank-major: (offsets [dp*m + 1],
         lengths), unit u's sequences ``lengths[offsets[u]:offsets[u + 1]]``; ``with_padding``

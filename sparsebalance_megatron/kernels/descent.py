@@ -63,23 +63,20 @@ class Search(NamedTuple):
 
 @jit
 def _search(graph, tables, units, on, delta, lo, hi, fracs, limit_s):
-    # the Search of units ``units`` (ascending), all ranks' makespans limited to limit_s [dp],
-    # and each unit's rank column
+    # the Search of units ``units`` (ascending), all ranks' makespans limited to limit_s [dp]
     per_rank, nv = graph.ev_f.size, tables.per_pair.shape[1]
     n = units.size
     mb, st = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
     if tables.work.shape[0] > 0:                   # worked out once, not at every try
         for j in range(n):
             mb[j], st[j] = units[j] // nv, units[j] % nv
-    col, rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), \
-        np.empty(n, dtype=np.int64)
+    rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     ranks, seg = np.empty(n, dtype=np.int64), np.empty(n + 1, dtype=np.int64)
     r = 0
     for j in range(n):
         if r == 0 or units[j] // per_rank != ranks[r - 1]:
             ranks[r], seg[r] = units[j] // per_rank, j
             r += 1
-        col[j] = r - 1
         local = units[j] % per_rank
         rows_f[j], rows_b[j] = graph.ev_f[local], graph.ev_b[local]
     seg[r] = n
@@ -88,7 +85,7 @@ def _search(graph, tables, units, on, delta, lo, hi, fracs, limit_s):
     for j in range(r):
         limit[j] = limit_s[ranks[j]]
     return Search(units, mb, st, ranks, seg, rows_f, rows_b, on, delta, lo, hi, fracs, limit,
-                  np.full(r, fracs.size, dtype=np.int64)), col
+                  np.full(r, fracs.size, dtype=np.int64))
 
 
 @jit
@@ -185,8 +182,8 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
     # searched between d_min and its grid index with limit t + fraction x (t_min - t) (``was``:
     # the last round's units and look-ups on the same plan at a lower target, whose look-ups
     # are this round's, and per DP rank its pick (-1: none), which fits here too). Returns
-    # (units, ranks, unit's rank column, fits, makespans, the picks' durations and finishes,
-    # each unit's cut grid index, and this round's look-ups and picks for the next)
+    # (fits per rank, the cut as after_cut_round takes it, and this round's look-ups and
+    # picks for the next)
     was_on, was_at, was_pick = was
     dp = plan.dur.shape[1]
     fl = _floats(graph, plan.dur, plan.ef, target)
@@ -198,8 +195,8 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         t[j] = plan.f[q] + plan.b[q]
         delta[j] = t_min[q] - t[j]
         hi[j] = plan.idx[q]
-    sr, col = _search(graph, tables, on, t, delta, np.full(n, i_min, dtype=np.int64), hi,
-                      CUT_FRACTIONS, np.full(dp, target * SCALE))
+    sr = _search(graph, tables, on, t, delta, np.full(n, i_min, dtype=np.int64), hi,
+                 CUT_FRACTIONS, np.full(dp, target * SCALE))
     k = CUT_FRACTIONS.size
     at = np.full((k, n), -1, dtype=np.int64)
     i = 0
@@ -218,12 +215,13 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
     for c in range(r):
         if fits[c]:
             by_rank[sr.ranks[c]] = pick[c]
-    return on, sr.ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank
+    return fits, (on, cut_i, sr.ranks, mk, dur_p, ef_p), at, by_rank
 
 
 @jit
 def after_cut_round(graph, tables, plan, mk, cut, deadline, i_max):
-    # the cut plan (the picks' columns), every unit's float at the raise's deadline (at least
+    # the cut plan (``cut``: its units, their grid indices, the ranks searched, their
+    # makespans and the picks' columns), every unit's float at the raise's deadline (at least
     # 0, NaN kept), the units the largest raise fraction can move (a grid step up fits under
     # their seconds + their whole float) and the highest grid index each may take
     on, cut_i, ranks, mk_p, dur_p, ef_p = cut
@@ -262,19 +260,19 @@ def after_cut_round(graph, tables, plan, mk, cut, deadline, i_max):
 def raise_round(graph, tables, dur, up, first, t1, cap, lo, i_max, limit_s):
     # the raise of units ``up`` (ascending): the largest of RAISE_FRACTIONS whose plan fits
     # each rank's limit, the first (the whole float, grid indices ``first``) tried alone
-    # first. Returns (ranks, each unit's rank column, makespans, the picks' durations and
-    # finishes, each unit's raised grid index)
+    # first. Returns (ranks, makespans, the picks' durations and finishes, each unit's raised
+    # grid index)
     n = up.size
     t, c, lo_u = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
         t[j], c[j], lo_u[j] = t1[up[j]], cap[up[j]], lo[up[j]]
-    sr, col = _search(graph, tables, up, t, c, lo_u, np.full(n, i_max, dtype=np.int64),
-                      RAISE_FRACTIONS, limit_s)
+    sr = _search(graph, tables, up, t, c, lo_u, np.full(n, i_max, dtype=np.int64),
+                 RAISE_FRACTIONS, limit_s)
     at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
     for j in range(n):
         at[0, j] = first[j]
     _, _, mk, dur_p, ef_p, raised = first_fit(graph, tables, dur, sr, at, True)
-    return sr.ranks, col, mk, dur_p, ef_p, raised
+    return sr.ranks, mk, dur_p, ef_p, raised
 
 
 class Round:
@@ -310,16 +308,17 @@ class Round:
         return Plan(f64(dur), f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1))
 
     def cut(self, plan: Plan, t_min, target: float) -> tuple:
-        """``cut_round``'s answers but its look-ups and picks, which it keeps: until
+        """(whether every searched rank fits, the cut ``after_cut`` takes): ``cut_round``'s
+        answers but its look-ups and picks, which it keeps: until
         ``plan_changed`` the next call is on the same plan at a higher target (a round given up
         lowers its eta), so it starts from these look-ups and each rank's search from its pick
         here, which fits there too (a unit on a path longer than the higher target is on one
         here and cuts the same way; the makespans fall with the fraction): a cold search's
         answers."""
-        on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = cut_round(
-            self.graph, self.tables, plan, t_min, float(target), self.i_min, self._was)
-        self._was = (on, at, by_rank)
-        return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
+        fits, cut, at, by_rank = cut_round(self.graph, self.tables, plan, t_min, float(target),
+                                           self.i_min, self._was)
+        self._was = (cut[0], at, by_rank)
+        return fits, cut
 
     def after_cut(self, plan: Plan, mk, cut: tuple, deadline: float) -> tuple:
         """``after_cut_round``'s answers, the plan's arrays [dp, m, nv]."""
@@ -344,7 +343,6 @@ def warm_up() -> None:
     formula = (np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True)
     for tables in (t, Tables.of(t.fwd, t.bwd, t.tot, formula)):
         rnd = Round(graph, tables, (1, 1, 1), 0, tables.g - 1)
-        on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(plan, np.ones(1), 1.0)
         cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
-            plan, np.ones(1), (on, cut_i, ranks, mk_p, dur_p, ef_p), 1.0)
+            plan, np.ones(1), rnd.cut(plan, np.ones(1), 1.0)[1], 1.0)
         rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), np.ones(1))

@@ -89,14 +89,13 @@ def descend_at(setup: DescentSetup, idx: np.ndarray, raise_headroom: float, meet
         target = max(step * (1.0 - eta), goal)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
         now = rnd.plan(dur, ef, f, b, idx)
-        on, ranks, col, fits, mk_p, dur_p, ef_p, cut_i = rnd.cut(now, t_min, target)
+        fits, shed = rnd.cut(now, t_min, target)
         if not fits.all():                                           # T' out of reach: ask less
             eta /= 2
             continue
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = target * (1.0 - raise_headroom)
-        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = rnd.after_cut(
-            now, mk, (on, cut_i, ranks, mk_p, dur_p, ef_p), deadline)
+        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = rnd.after_cut(now, mk, shed, deadline)
         if floors_at is not None:       # the round's best plan is below it: nothing will do
             top = cut.copy()
             np.put(top, up, first)
@@ -104,8 +103,8 @@ def descend_at(setup: DescentSetup, idx: np.ndarray, raise_headroom: float, meet
                 eta /= 2
                 continue
         limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15          # beta 0 holds
-        ranks, col, mk_p, dur_p, ef_p, raised = rnd.raise_fit(dur1, up, first, t1, cap,
-                                                              cut.reshape(-1), limit)
+        ranks, mk_p, dur_p, ef_p, raised = rnd.raise_fit(dur1, up, first, t1, cap,
+                                                         cut.reshape(-1), limit)
         new, mk_new = cut.copy(), mk_cut.copy()
         np.put(new, up, raised)
         mk_new[ranks] = mk_p

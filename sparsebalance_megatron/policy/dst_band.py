@@ -37,8 +37,6 @@ class DSTReport:
     speedup: float               # static / planned
     imbalance_before: float      # max / mean of per-rank makespans, static plan
     imbalance_after: float       # same, final plan
-    anchor_s: float              # anchor over (rank, stage) busy times at d0
-    band_s: float                # (1 + p) x anchor
     mean_density_static: float   # work-weighted mean density of the static plan (d0; more
     #                              with routing: routed documents count at density 1)
     mean_density: float          # work-weighted mean density of the final plan
@@ -186,11 +184,12 @@ def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float,
     return idx, mk_final, reverted
 
 
-def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple) -> list[DSTPlan]:
-    """Step 4: every candidate's plan and report, from the band (static step time, cut step
-    times [k], anchors, bands) and the raise (grid indices, makespans, reverted)."""
+def plan_reports(ps: RowsPass, candidates, d0: float, steps: tuple, raised: tuple
+                 ) -> list[DSTPlan]:
+    """Step 4: every candidate's plan and report, from the steps (static step time, cut step
+    times [k]) and the raise (grid indices, makespans, reverted)."""
     costs, k, dp, mk0 = ps.costs, ps.k, ps.dp, ps.mk0
-    step0, step1, anchors, bands = band
+    step0, step1 = steps
     idx, mk_final, reverted = raised
     _, m, nv = costs.shape
     i0 = ps.bounds[0]
@@ -212,8 +211,7 @@ def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple
     # elements in the same order as the row's own: the same floats)
     top_c, mean_mk_c = mk_c.max(axis=1).tolist(), mk_c.mean(axis=1).tolist()
     rev_n = rev_c.sum(axis=1).tolist()
-    step1_c, anchors_c, bands_c = (np.asarray(x, dtype=np.float64).reshape(k).tolist()
-                                   for x in (step1, anchors, bands))
+    step1_c = np.asarray(step1, dtype=np.float64).reshape(k).tolist()
     for c, (_, tolerance) in enumerate(candidates):
         top, mean_mk = top_c[c], mean_mk_c[c]
         report = DSTReport(
@@ -221,7 +219,6 @@ def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple
             step_time_planned_s=top, speedup=step0 / top if top > 0 else 1.0,
             imbalance_before=imb0,
             imbalance_after=top / mean_mk if mean_mk > 0 else 1.0,
-            anchor_s=anchors_c[c], band_s=bands_c[c],
             mean_density_static=mean_static, mean_density=mean_c[c],
             units_cut=cut_c[c], units_raised=raised_c[c],
             ranks_reverted=rev_n[c], tolerance_used=float(tolerance),

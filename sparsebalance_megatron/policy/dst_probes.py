@@ -114,9 +114,8 @@ class RankProbes:
         for _ in range(ROUNDS):
             rnd.plan_changed()
             now = rnd.plan(dur, ef, f, b, idx)
-            on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(now, setup.t_min, target)
             cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
-                now, mk, (on, cut_i, ranks, mk_p, dur_p, ef_p), deadline)
+                now, mk, rnd.cut(now, setup.t_min, target)[1], deadline)
             if not up.size:
                 break
             limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15

@@ -157,10 +157,8 @@ class RankDST:
         (max)."""
         self.a1 = a1
         ps, cands = self.ps, self.rows
-        anchors = np.array([a1.anchors[a] for a, _ in cands])
-        self.bands = np.array([(1.0 + t) for _, t in cands]) * anchors
-        self.anchors = anchors
-        _, self.cut_rows = cut_rows(ps, cands, self.bands)
+        bands = np.array([(1.0 + t) * a1.anchors[a] for a, t in cands])
+        _, self.cut_rows = cut_rows(ps, cands, bands)
         return {"max": {"mk1": self.cut_rows[1].reshape(len(cands))}, "sum": {}}
 
     def raise_(self, a2: dict) -> dict:
@@ -169,8 +167,7 @@ class RankDST:
         s, ps = self.settings, self.ps
         self.t1 = np.asarray(a2["mk1"], dtype=np.float64)
         raised = raise_rows(ps, self.cut_rows, self.a1.t0, self.t1, s.raise_headroom, s.raise_to)
-        self.plans = plan_reports(ps, self.rows, s.d0, (self.a1.t0, self.t1, self.anchors,
-                                                  self.bands), raised)
+        self.plans = plan_reports(ps, self.rows, s.d0, (self.a1.t0, self.t1), raised)
         idx = np.stack([p.grid_index for p in self.plans])       # [K, 1, m, nv]
         dens = self.costs.densities[idx]
         kept_s = (dens * self.w).sum(axis=(1, 2))                # [K, nv]

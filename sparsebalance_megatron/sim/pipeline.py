@@ -107,19 +107,16 @@ def _check_times(fwd_s, bwd_s, p2p_s):
 
 @dataclass(frozen=True)
 class EventGraph:
-    """The events of one step in ``event_graph``'s topological order: event e is (kind,
-    micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``; ``links`` [5, E]
-    per event the one before it on its rank, the one it waits for (its data), whether that wait
-    crosses ranks (p2p latency on the edge), and the reverse edges (-1 where none); ``last[r]``
-    rank r's last event; ``unit_events[kind]`` [m * nv] the event of every (micro-batch,
-    virtual stage) unit's forward and backward, ``unit_rows`` its inverse. Built once per (m,
-    pp, vp); the passes over it are ``kernels.graph``'s, its floats (how much an event may grow
-    before the step does, with every rank's last event due at a common deadline) among them."""
+    """The events of one step in ``event_graph``'s topological order: event e runs on
+    ``ranks[e]`` and is row ``unit_rows[e]`` of the [2 * m * nv] (kind, micro-batch, virtual
+    stage) units' table (``unit_events`` the inverse); ``links`` [5, E] per event the one
+    before it on its rank, the one it waits for (its data), whether that wait crosses ranks
+    (p2p latency on the edge), and the reverse edges (-1 where none); ``last[r]`` rank r's last
+    event. Built once per (m, pp, vp); the passes over it are ``kernels.graph``'s, its floats
+    (how much an event may grow before the step does, with every rank's last event due at a
+    common deadline) among them."""
 
     ranks: np.ndarray
-    kinds: np.ndarray
-    mbs: np.ndarray
-    vs: np.ndarray
     last: np.ndarray
     unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
@@ -210,7 +207,7 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     unit_rows = (kinds * m + mbs) * nv + vs
     unit_events = np.empty(n, dtype=np.int64)
     unit_events[unit_rows] = np.arange(n)
-    return EventGraph(ranks, kinds, mbs, vs, last, unit_rows, unit_events.reshape(2, -1),
+    return EventGraph(ranks, last, unit_rows, unit_events.reshape(2, -1),
                       np.stack([prev, dep, crosses, nxt, succ]))
 
 
@@ -232,8 +229,9 @@ def _run(fwd_s, bwd_s, p2p_s, pp, record: bool) -> tuple:
     end = g.earliest_finish(dur, p, start)
     if not record:
         return f, b, ranks, g.makespan(end), None, None
-    out = np.zeros((2, dp, m, nv, 2))            # start, end of each [dp, m, nv, kind]
-    out[:, :, g.mbs, g.vs, g.kinds] = np.stack([start, end]).transpose(0, 2, 1)
+    out = np.zeros((2, dp, 2 * m * nv))          # start, end of each [dp, kind, m, nv]
+    out[:, :, g.unit_rows] = np.stack([start, end]).transpose(0, 2, 1)
+    out = np.moveaxis(out.reshape(2, dp, 2, m, nv), 2, -1)          # [2, dp, m, nv, kind]
     return f, b, ranks, g.makespan(end), out[0], out[1]
 
 

@@ -170,13 +170,14 @@ def test_a_descent_cut_is_every_fraction_simulated(form, by_formula):
     none = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.full(dp, -1, np.int64))
     seen = set()
     for target in (float(mk.min()) * 0.99, float(mk.max()) * 0.3):
-        got = _form(descent.cut_round, form)(rec, tables, plan, t_min, target, 0, none)
-        on, ranks, col, fits, mk_p, _, _, cut_i = got[:8]
+        fits, (on, cut_i, ranks, mk_p, _, _) = _form(descent.cut_round, form)(
+            rec, tables, plan, t_min, target, 0, none)[:2]
         floats = unit_floats(g, dur, ef, target, 1e-3).reshape(-1)
         np.testing.assert_array_equal(on, np.flatnonzero(floats < 0))
         assert len(ranks) == dp
         for j, r in enumerate(ranks):
-            mine, tried = on[col == j], []
+            sel = on // n == r                                     # the rank's units
+            mine, tried = on[sel], []
             for frac in descent.CUT_FRACTIONS:
                 cand = idx.copy()
                 for q in mine:
@@ -193,5 +194,5 @@ def test_a_descent_cut_is_every_fraction_simulated(form, by_formula):
             seen.add(bool(ok))
             k = ok[0] if ok else 0
             assert mk_p[j] == tried[k][0]
-            np.testing.assert_array_equal(cut_i[col == j], tried[k][1])
+            np.testing.assert_array_equal(cut_i[sel], tried[k][1])
     assert seen == {True, False}

@@ -63,7 +63,7 @@ def _count(monkeypatch) -> dict:
     counted(band, "floats", cells(lambda self, args, out: np.size(args[0])))
     rnd = kernels.descent.Round
     counted(rnd, "cut", lambda self, args, out: n.__setitem__("searched",
-                                                              n["searched"] + out[0].size))
+                                                              n["searched"] + out[1][0].size))
     counted(rnd, "raise_fit", lambda self, args, out: n.__setitem__("searched",
                                                                     n["searched"] + args[1].size))
     return n
