@@ -213,7 +213,9 @@ def _warm_pure_caches() -> None:
         return dict(found[src_cfg_class])
 
     factory._get_field_docstrings = memoized
-    arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    build = getattr(arguments, "add_megatron_arguments", None)   # else filled by each rank
+    if build is not None:
+        build(argparse.ArgumentParser(allow_abbrev=False))
 
 
 def serve(path: str) -> None:
