@@ -103,6 +103,26 @@ def test_a_plain_process_ends_as_an_interpreter_would(tmp_path):
     assert "forked_ranks:" not in proc.stdout       # a plain process's failure: its own output
 
 
+MEMO = """
+from megatron.core.transformer import TransformerConfig
+from megatron.training.argument_utils import ArgumentGroupFactory as F
+memo, f = F._get_field_docstrings, F.__new__(F)
+got = memo(f, TransformerConfig)
+got["added by the caller"] = "?"
+assert memo(f, TransformerConfig) == memo.__wrapped__(f, TransformerConfig) != got
+print("docstrings", len(memo(f, TransformerConfig)))
+"""
+
+
+def test_a_forked_process_has_megatrons_field_docstrings_as_its_own_parse_gives_them(tmp_path):
+    """The server's memo of megatron's field docstrings (``_warm_pure_caches``): a forked process
+    gets what megatron's own parse of the class's source gives, and a caller's change to its copy
+    stays its own."""
+    proc = _forked_ranks().run(f"-c {MEMO}", [], 0, tmp_path, dict(os.environ), 120)
+    assert proc.returncode == 0 and "docstrings " in proc.stdout, proc.stdout[-3000:]
+    assert int(proc.stdout.split("docstrings ")[1].split()[0]) > 50, proc.stdout
+
+
 def test_a_script_launches_with_torchruns_command_line(script):
     server = _forked_ranks()
     server.start()
