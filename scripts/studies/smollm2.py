@@ -265,18 +265,16 @@ def add_measure_args(ap, study: str, threads: int, quick_layers: int) -> None:
                     help="make every N-th forward from the K-th only (processes sharing the "
                          "cache; what reads the forwards waits for a run without --shard)")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="N processes: this one makes shard 0/N of the forwards, N-1 children "
-                         "of the same command the others (--shard k/N, the same cache), then "
-                         "this one reads them all as a run without --shard does; torch threads "
-                         "each: --threads, at most the cores / N")
+                    help="N processes: shard 0/N here, N-1 children of this command the "
+                         "others (--shard k/N, the same cache), then every forward read as "
+                         "without --shard; torch threads each: --threads, at most cores / N")
     ap.set_defaults(study=study)
 
 
 def parse(ap, argv=None):
-    """``ap``'s arguments (``add_measure_args``'), ``--jobs`` checked before any work and its
-    threads split: each process gets ``--threads`` but at most its share of this machine's
-    cores, so N processes do not oversubscribe them (the studies' forwards are one sample at a
-    time: a process gains little from a second thread, N processes gain N-fold)."""
+    """``ap``'s arguments, ``--jobs`` checked before any work and its threads split: each process
+    ``--threads`` but at most its share of the cores, so N processes do not oversubscribe them
+    (one sample a forward: a second thread gains a process little, N processes gain N-fold)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     if args.jobs < 1:
@@ -285,9 +283,8 @@ def parse(ap, argv=None):
         ap.error(f"--jobs {args.jobs} with --shard {args.shard[0]}/{args.shard[1]}: expected "
                  f"one of them (--jobs starts the shards itself)")
     if args.jobs > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            (os.cpu_count() or 1)
-        args.threads = max(1, min(args.threads, cores // args.jobs))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        args.threads = max(1, min(args.threads, (cores or 1) // args.jobs))
     args.argv = argv
     return args
 
@@ -337,8 +334,8 @@ def start_shards(args) -> list:
     and the threads ``parse`` chose."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
     n = args.jobs
-    print(f"--jobs {n}: shards 0/{n}-{n - 1}/{n}, {args.threads} torch thread(s) each, cache "
-          f"{args.cache}", flush=True)
+    print(f"--jobs {n}: shard 0/{n} here, {', '.join(f'{k}/{n}' for k in range(1, n))} in "
+          f"children, {args.threads} torch thread(s) each, cache {args.cache}", flush=True)
     return [(k, subprocess.Popen([sys.executable, bench, args.study, *args.argv, "--jobs", "1",
                                   "--shard", f"{k}/{n}", "--threads", str(args.threads)]))
             for k in range(1, n)]
@@ -347,8 +344,8 @@ def start_shards(args) -> list:
 def wait_shards(children: list, n: int) -> None:
     """Wait for every child; any that failed named with its exit code, and the run stopped (the
     cache keeps every forward made: the same command resumes)."""
-    failed = [(k, p.wait()) for k, p in children]
-    failed = [f"shard {k}/{n} exited with code {rc}" for k, rc in failed if rc]
+    failed = [f"shard {k}/{n} exited with code {rc}" for k, rc in
+              [(k, p.wait()) for k, p in children] if rc]
     if failed:
         raise SystemExit("; ".join(failed) + " (the cache keeps what was made: run the same "
                          "command again to resume)")
@@ -357,9 +354,8 @@ def wait_shards(children: list, n: int) -> None:
 def measure(args, jobs: list, samples: list, cache: Cache) -> list:
     """Every (sample index, group vector) of ``jobs`` scored (from the cache where it is there):
     its rows, in ``jobs``' order; with ``--shard K/N`` only every N-th job from the K-th (the
-    others' rows where the cache has them). With ``--jobs N`` shard 0/N here beside the
-    children's, then every row as without ``--shard``. The model is loaded only if a forward
-    is missing."""
+    others' rows where the cache has them); with ``--jobs N`` shard 0/N here beside the
+    children's, then every row as without it. The model is loaded only if a forward is missing."""
     if args.jobs > 1:
         children = start_shards(args)
         try:

@@ -370,3 +370,21 @@ def test_jobs_refuses_shard_and_no_processes_and_splits_the_cores(capsys, monkey
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)), raising=False)
     assert pq.parse_args(["--calibrate", "--jobs", "2"]).threads == 2     # --threads caps it
     assert pq.parse_args(["--calibrate", "--jobs", "2", "--threads", "8"]).threads == 4
+
+
+def test_a_failed_shard_is_named_with_its_exit_code_after_every_child_is_waited_for():
+    from studies import smollm2
+
+    class Child:
+        def __init__(self, rc):
+            self.rc, self.waited = rc, False
+
+        def wait(self):
+            self.waited = True
+            return self.rc
+
+    children = [(1, Child(0)), (2, Child(137)), (3, Child(0))]
+    with pytest.raises(SystemExit, match=r"^shard 2/4 exited with code 137 \(the cache keeps"):
+        smollm2.wait_shards(children, 4)
+    assert all(c.waited for _, c in children)
+    smollm2.wait_shards([(1, Child(0))], 2)                 # all done: no stop
