@@ -328,14 +328,14 @@ class Cache:
             f.write(json.dumps(row) + "\n")
 
 
-def start_shards(args) -> list:
+def start_shards(args, cache: Cache) -> list:
     """``--jobs N``: the children making shards 1/N .. N-1/N, each this run's own command
     (``scripts/bench.py`` with the same arguments, environment and directory) with ``--shard``
     and the threads ``parse`` chose."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
     n = args.jobs
     print(f"--jobs {n}: shard 0/{n} here, {', '.join(f'{k}/{n}' for k in range(1, n))} in "
-          f"children, {args.threads} torch thread(s) each, cache {args.cache}", flush=True)
+          f"children, {args.threads} torch thread(s) each, cache {cache.path}", flush=True)
     return [(k, subprocess.Popen([sys.executable, bench, args.study, *args.argv, "--jobs", "1",
                                   "--shard", f"{k}/{n}", "--threads", str(args.threads)]))
             for k in range(1, n)]
@@ -357,7 +357,7 @@ def measure(args, jobs: list, samples: list, cache: Cache) -> list:
     others' rows where the cache has them); with ``--jobs N`` shard 0/N here beside the
     children's, then every row as without it. The model is loaded only if a forward is missing."""
     if args.jobs > 1:
-        children = start_shards(args)
+        children = start_shards(args, cache)
         try:
             measure_shard(args, jobs, samples, cache, (0, args.jobs))
         except BaseException:
