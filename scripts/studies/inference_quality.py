@@ -1,8 +1,9 @@
 """Free accuracy at equal step time (issue 84): SmolLM2-135M in Megatron scored on fresh
 RULER-style samples under the runtime's own DST plans, against uniform d0, against the uniform
 density whose predicted step is DST's, with a positive control and margins fixed by a pilot
-(the arms, scores and verdicts: QUALITY.md). Forwards are cached (``--cache``) and can be split
-over processes (``--shard K/N``, then a run without it for the summary).
+(the arms, scores and verdicts: QUALITY.md). Forwards are cached (``--cache``) and split over
+processes by ``--jobs N`` (or by hand: ``--shard K/N`` runs, then a run without it for the
+summary).
 
     .venv/bin/python scripts/bench.py inference_quality --quick --json /tmp/iq.json   # smoke
 """
@@ -46,7 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 6 layers, 4 samples of 256-512 tokens, block 16, DP 2 x "
                          "2 micro-batches of 1K (what the test runs; its numbers mean nothing)")
-    args = ap.parse_args(argv)
+    args = smollm2.parse(ap, argv)
     args.task = "needle_multiquery"          # every documented run's (a setting of SAME)
     if args.quick:
         args.layers, args.lengths, args.samples = 6, [256, 512], args.samples or 4

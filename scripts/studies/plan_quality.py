@@ -4,7 +4,8 @@ length, fitted convex, its uncertainty by bootstrap; then its predictions of who
 against measured loss on samples never used to fit it (BENCHMARKS.md, "The quality model";
 QUALITY.md). ``--validate --refresh``: the in-run quality refresh's probe measured on fresh
 held-out micro-batches, the plans scored by each refreshed model. Every forward is cached
-(``--cache``): a run stopped part-way continues where it stopped.
+(``--cache``): a run stopped part-way continues where it stopped; ``--jobs N`` splits them over
+N processes.
 
     .venv/bin/python scripts/bench.py plan_quality --calibrate --quick --json /tmp/pq.json  # smoke
 """
@@ -51,7 +52,7 @@ def parse_args(argv=None):
                          "held-out micro-batches and score the plans by the refreshed models")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 3 layers, 3 samples of 256-512 tokens, block 16")
-    args = ap.parse_args(argv)
+    args = smollm2.parse(ap, argv)
     # the text kinds, the calibration's cache (--validate refits it without its optional
     # terms) and the refresh's held-out micro-batches of 8K (the runtime's: one a DP rank)
     args.kinds = ["needle_multikey", "text_code", "needle_single", "text_prose"]

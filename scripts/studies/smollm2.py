@@ -9,6 +9,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -262,6 +264,29 @@ def add_measure_args(ap, study: str, threads: int, quick_layers: int) -> None:
     ap.add_argument("--shard", type=shard, default=(0, 1), metavar="K/N",
                     help="make every N-th forward from the K-th only (processes sharing the "
                          "cache; what reads the forwards waits for a run without --shard)")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="N processes: shard 0/N here, N-1 children of this command the "
+                         "others (--shard k/N, the same cache), then every forward read as "
+                         "without --shard; torch threads each: --threads, at most cores / N")
+    ap.set_defaults(study=study)
+
+
+def parse(ap, argv=None):
+    """``ap``'s arguments, ``--jobs`` checked before any work and its threads split: each process
+    ``--threads`` but at most its share of the cores, so N processes do not oversubscribe them
+    (one sample a forward: a second thread gains a process little, N processes gain N-fold)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: expected a count of processes >= 1")
+    if args.jobs > 1 and args.shard != (0, 1):
+        ap.error(f"--jobs {args.jobs} with --shard {args.shard[0]}/{args.shard[1]}: expected "
+                 f"one of them (--jobs starts the shards itself)")
+    if args.jobs > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        args.threads = max(1, min(args.threads, (cores or 1) // args.jobs))
+    args.argv = argv
+    return args
 
 
 # ---- forwards, cached ---------------------------------------------------------------------------
@@ -303,12 +328,52 @@ class Cache:
             f.write(json.dumps(row) + "\n")
 
 
+def start_shards(args, cache: Cache) -> list:
+    """``--jobs N``: the children making shards 1/N .. N-1/N, each this run's own command
+    (``scripts/bench.py`` with the same arguments, environment and directory) with ``--shard``
+    and the threads ``parse`` chose."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
+    n = args.jobs
+    print(f"--jobs {n}: shard 0/{n} here, {', '.join(f'{k}/{n}' for k in range(1, n))} in "
+          f"children, {args.threads} torch thread(s) each, cache {cache.path}", flush=True)
+    return [(k, subprocess.Popen([sys.executable, bench, args.study, *args.argv, "--jobs", "1",
+                                  "--shard", f"{k}/{n}", "--threads", str(args.threads)]))
+            for k in range(1, n)]
+
+
+def wait_shards(children: list, n: int) -> None:
+    """Wait for every child; any that failed named with its exit code, and the run stopped (the
+    cache keeps every forward made: the same command resumes)."""
+    failed = [f"shard {k}/{n} exited with code {rc}" for k, rc in
+              [(k, p.wait()) for k, p in children] if rc]
+    if failed:
+        raise SystemExit("; ".join(failed) + " (the cache keeps what was made: run the same "
+                         "command again to resume)")
+
+
 def measure(args, jobs: list, samples: list, cache: Cache) -> list:
     """Every (sample index, group vector) of ``jobs`` scored (from the cache where it is there):
     its rows, in ``jobs``' order; with ``--shard K/N`` only every N-th job from the K-th (the
-    others' rows where the cache has them). The model is loaded only if a forward is missing."""
+    others' rows where the cache has them); with ``--jobs N`` shard 0/N here beside the
+    children's, then every row as without it. The model is loaded only if a forward is missing."""
+    if args.jobs > 1:
+        children = start_shards(args, cache)
+        try:
+            measure_shard(args, jobs, samples, cache, (0, args.jobs))
+        except BaseException:
+            for _, p in children:
+                p.terminate()
+                p.wait()
+            raise
+        wait_shards(children, args.jobs)
+    return measure_shard(args, jobs, samples, cache, args.shard)
+
+
+def measure_shard(args, jobs: list, samples: list, cache: Cache, shard_of: tuple) -> list:
+    """``measure``'s rows of shard ``shard_of`` (K, N): the jobs the cache lacks made only for
+    every N-th job from the K-th."""
     model = None
-    k, n_shards = args.shard
+    k, n_shards = shard_of
     out, t0, made = [], time.perf_counter(), 0
     for n, (i, vec) in enumerate(jobs):
         s = samples[i]

@@ -50,3 +50,24 @@ def test_quick_pilot_writes_a_complete_result(pilot):
             assert step["equal_time_vs_static"] <= step["predicted_step_vs_static"] + 1e-9
     assert "pp3: dst - uniform (loss, token-weighted)" in p["summary"]["verdicts"]
     assert not any(k.endswith("eqtime (answer_nll)") for k in p["summary"]["verdicts"])
+
+
+def test_jobs_2_gives_the_summary_of_one_process(pilot, tmp_path):
+    """``--jobs 2`` on the pilot's cache less two of its 18 forwards, both of shard 1/2 (jobs
+    15 and 17): the child process makes them, this one reads them once the child is done (its
+    own shard cached: no model load here, the suite's cost), and the summary is the
+    one-process run's."""
+    lines = (pilot.parent / "cache.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) == 18
+    cache = tmp_path / "cache.jsonl"
+    cache.write_text("".join(lines[:15] + lines[16:17]))
+    out = tmp_path / "jobs2.json"
+    proc = bench("inference_quality", "--quick", "--jobs", "2", "--cache", str(cache), "--json",
+                 str(out))
+    # the child's progress line before its end: made there, not here after the wait
+    assert proc.stdout.index("[18/18] 2 forwards") < proc.stdout.index("shard 1/2 done")
+    assert proc.stdout.count(" forwards, ") == 1
+    assert len(cache.read_text().splitlines()) == 18
+    one, two = json.loads(pilot.read_text()), json.loads(out.read_text())
+    for k in ("summary", "samples", "layouts", "margin", "arms", "kept_density_planned"):
+        assert two[k] == one[k], k

@@ -350,3 +350,41 @@ def test_a_main_run_on_the_pilots_samples_is_refused_before_any_forward(tmp_path
     with pytest.raises(SystemExit, match="--seed-base 499990 with --samples 60: the pilot .* "
                                          "scored seeds 500000-500015"):
         iq.read_margin(iq.parse_args(["--margin-from", str(pilot), "--seed-base", "499990"]))
+
+
+def test_jobs_refuses_shard_and_no_processes_and_splits_the_cores(capsys, monkeypatch):
+    from studies import plan_quality as pq
+
+    for study, argv in ((iq, ["--pilot"]), (pq, ["--calibrate"])):
+        with pytest.raises(SystemExit):
+            study.parse_args([*argv, "--jobs", "2", "--shard", "1/2"])
+        assert "--jobs 2 with --shard 1/2: expected one of them" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            study.parse_args([*argv, "--jobs", "0"])
+        assert "--jobs 0: expected a count of processes >= 1" in capsys.readouterr().err
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    # plan_quality's 2 threads a process: 1 each for 2 processes of 2 cores, 1 for 3
+    assert pq.parse_args(["--calibrate"]).threads == 2
+    assert pq.parse_args(["--calibrate", "--jobs", "2"]).threads == 1
+    assert pq.parse_args(["--calibrate", "--jobs", "3"]).threads == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    assert pq.parse_args(["--calibrate", "--jobs", "2"]).threads == 2     # --threads caps it
+    assert pq.parse_args(["--calibrate", "--jobs", "2", "--threads", "8"]).threads == 4
+
+
+def test_a_failed_shard_is_named_with_its_exit_code_after_every_child_is_waited_for():
+    from studies import smollm2
+
+    class Child:
+        def __init__(self, rc):
+            self.rc, self.waited = rc, False
+
+        def wait(self):
+            self.waited = True
+            return self.rc
+
+    children = [(1, Child(0)), (2, Child(137)), (3, Child(0))]
+    with pytest.raises(SystemExit, match=r"^shard 2/4 exited with code 137 \(the cache keeps"):
+        smollm2.wait_shards(children, 4)
+    assert all(c.waited for _, c in children)
+    smollm2.wait_shards([(1, Child(0))], 2)                 # all done: no stop
