@@ -71,12 +71,14 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
         assert 0.25 - 1e-9 <= r["mean_density"] <= 1.0
         assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
     # DP rank 1's stage 1 sleeps 9x its forward time, so its cell of the grid (per DP rank and
-    # pipeline rank) is learned slow: a sleep only adds time, so the factor has a floor whatever
-    # the machine's load. How it ranks against the other cells has none: load and one-off costs
-    # raise them too (rank 0's stage 0 once came out at 13.9 against the straggler's 7.1 on a
-    # quiet machine, 6x another time), so the test checks the floor, not the order.
-    grid = rows[-1]["stage_calibration"]
-    assert grid[1][1] >= 3.0, grid
+    # pipeline rank: the DP rank's factor times its stage's) is learned slow. A cell alone has no
+    # floor: the DP rank's factor is measured over predicted, and the table was profiled at
+    # another load than the run's (2.49 once at load 11, 10-11 on a quiet machine). The
+    # straggler's stage share against its DP peer's share of the same stages has one: the DP
+    # factors and the table cancel, and the sleep scales with the rank's own forward (3.3-3.5
+    # quiet, 2.8-3.3 beside four busy loops; the EMA and clip hold it there after 3 updates).
+    grid = np.asarray(rows[-1]["stage_calibration"])
+    assert (grid[1, 1] / grid[1, 0]) / (grid[0, 1] / grid[0, 0]) >= 2.0, grid
     # --sb-eval-density trained: after each step, the mean of the steps' stage densities times
     # one factor (one attention layer a stage, none capped; the factor from the documents' kept
     # work, which on these short documents is mostly the blocks every query block keeps, so it
