@@ -67,6 +67,15 @@ def add_row_args(ap) -> None:
                     help="start no row later than this many seconds minus a margin")
 
 
+def usable_backends(requested) -> tuple:
+    """The requested backends that can run on this machine's CUDA device, in order, and
+    {backend: why not} of the others (no CUDA device: every one)."""
+    from sparsebalance_megatron.attention.api import backend_missing
+    why = {b: backend_missing(b, "cuda") if torch.cuda.is_available()
+           else "it needs a CUDA device" for b in requested}
+    return [b for b in requested if why[b] is None], {b: w for b, w in why.items() if w}
+
+
 def parse_shape(text: str):
     """``'np/ng/hn'`` -> (query heads, KV heads, head dim)."""
     try:
