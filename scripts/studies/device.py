@@ -416,10 +416,6 @@ def step_bench(py, out_dir, work, limit, env, backends, lengths=None):
                             if r.get("kind") == "check" and not r["ok"]]
     from .kernels import summarize     # (imports torch: inside the step)
     res["summary"] = summarize(rows)
-    res["rows_dense_files"] = sorted({r["dense_varlen_ms"] for r in rows
-                                      if r.get("kind") == "dense" and r["case"].startswith("file#")
-                                      and r["shape"] == "14/2/64"   # the train step's shape
-                                      and r["dense_varlen_ms"]})
     return res
 
 
