@@ -84,13 +84,14 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
         out.append({"name": name, "where": where, "grows": grows, "bytes": int(received),
                     "seconds": collective_s(kind, n, stride, payload) if n > 1 else 0.0})
 
+    def rounds(name, nb):                   # one all-reduce of each of ``nb`` bytes
+        out.append({"name": name, "where": "draft", "grows": False,
+                     "bytes": int(round(ar * sum(nb))), "count": len(nb),
+                     "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+
     ar = 2.0 * (dp - 1) / dp                # a ring all-reduce: what a rank receives per byte
     for op in ("sum", "max"):
-        floats = [sum(r[op].values()) for r in q["rounds"] if r[op]]
-        nb = [8 * f for f in floats]
-        out.append({"name": f"dst.rounds.{op}", "where": "draft", "grows": False,
-                    "bytes": int(round(ar * sum(nb))), "count": len(nb),
-                    "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+        rounds(f"dst.rounds.{op}", [8 * sum(r[op].values()) for r in q["rounds"] if r[op]])
     add("dst.step_max", "draft", False, "allreduce", dp, tp, 8, 2 * ar * 8)
     out[-1]["seconds"] *= 2                          # one per packing
     from sparsebalance_megatron.policy.agreed_stats import BINS, ERRORS_PER_RANK, EXACT_VALUES
@@ -106,10 +107,7 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     add("sab.fits", "draft", False, "allreduce", dp, tp, 8, ar * 8)
     # the candidates from every rank's makespan: the range, refinements, hash-slot gathers
     for op in ("sum", "max"):
-        nb = [8 * r[op] for r in q["span_rounds"] if r[op]]
-        out.append({"name": f"sab.candidate_rounds.{op}", "where": "draft", "grows": False,
-                    "bytes": int(round(ar * sum(nb))), "count": len(nb),
-                    "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+        rounds(f"sab.candidate_rounds.{op}", [8 * r[op] for r in q["span_rounds"] if r[op]])
     from sparsebalance_megatron.batching.slots import PARTNERS, ROUNDS
 
     cand = min(2 * (2 * ROUNDS + PARTNERS + 1), dp) * (q["unit_floats"] + docs) * 8
