@@ -61,9 +61,9 @@ class Call:
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
-# Issue 61's kernel calls (FlashAttention-4's wheels, 96 MiB, come in two pieces: the first
-# call times every kernel that needs no FA4 and stages the first piece; the second, at once on
-# the warm machine, joins them and times FA4). The kernels plan. Measured on the H200 (runs 4-5): 75-99 s each with the start
+# Issue 61's kernel calls: FA4's wheels come in two pieces; the first call times every kernel
+# that needs no FA4 and stages the first piece, the second (at once, on the warm machine) joins
+# them and times FA4
 KERNEL_CALLS: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
@@ -79,13 +79,8 @@ KERNEL_CALLS: Tuple[Call, ...] = (
               "both ways, then its rows and flex's flash kernel's (one document of 32K and of "
               "16K), each pass's host and GPU time apart"),
 )
-# Issue 74's plan, ONE for all its open work, the decisive measurement first: (1) stages FA4's
-# first piece (the tree, 21.9 MiB on 2026-11-27, leaves no room beside it for megatron-core's
-# .whl, 10.1 MiB); (2) FA4's pieces, kernel by kernel, host and GPU apart (and the selection's
-# and lists', through triton's call: ``fa4_pieces``), then FA4's price at two lengths; (3) the
-# full-depth model's steady steps, profiled, at 32K and 64K against dense + SAB priced at
-# cuDNN's kernel and measured through cuDNN SDPA, each step beside its bound, then DST with GPU
-# timings (PP 4 x DP 4). 720 s of device time with the start and the transfers (``DEVICE_S``)
+# Issue 74's plan, one for all its open work, the decisive measurement first (each call's
+# ``what`` says what it runs); the tree leaves no room beside FA4's first piece for .whl
 PLAN: Tuple[Call, ...] = (
     Call("stage", ("env",), 35, 25, carry=(".whl-fa4/1",), outputs=("gpu_check.json",),
          what="versions, imports, signatures, which backends can run; FA4's first piece staged "
