@@ -299,14 +299,12 @@ def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
     data = lzma.compress(buf.getvalue(), preset=preset)
     whole = hashlib.sha256(data).hexdigest()
     n = max(1, -(-len(data) // piece_bytes))
-    sizes = [-(-len(data) // n)] * n
-    n, at, folders = len(sizes), 0, []
-    for i, size in enumerate(sizes):
+    size, folders = -(-len(data) // n), []
+    for i in range(n):
         folder = os.path.join(dest, str(i + 1))
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
-            fh.write(data[at:at + size])
-        at += size
+            fh.write(data[i * size:(i + 1) * size])
         write_manifest(folder, {"all.tar.xz": whole, f"pieces.{n}": "0" * 64})
         folders.append(folder)
     return folders
@@ -321,15 +319,11 @@ def join_pieces(stage: str, out_dir: str) -> bool:
     names = [f"piece.{i:02d}" for i in range(n)]
     if not all(os.path.exists(os.path.join(stage, p)) for p in names):
         return False
-    h, data = hashlib.sha256(), bytearray()
-    for p in names:
-        chunk = open(os.path.join(stage, p), "rb").read()
-        h.update(chunk)
-        data += chunk
-    if h.hexdigest() != man["all.tar.xz"]:
+    data = b"".join(open(os.path.join(stage, p), "rb").read() for p in names)
+    if hashlib.sha256(data).hexdigest() != man["all.tar.xz"]:
         raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's "
                          f"all.tar.xz")
-    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(bytes(data)))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(data))) as tar:
         tar.extractall(out_dir, filter="data")
     return True
 
@@ -347,12 +341,8 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
         if any(n.startswith("piece.") for n in names):
             where = os.path.join(stage, os.path.basename(os.path.dirname(os.path.abspath(folder))))
             os.makedirs(where, exist_ok=True)
-            for n in names:
-                if n.startswith("piece."):
-                    shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
-            with open(os.path.join(folder, MANIFEST)) as src, \
-                    open(os.path.join(where, MANIFEST), "w") as dst:
-                dst.write(src.read())
+            for n in [n for n in names if n.startswith("piece.")] + [MANIFEST]:
+                shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
             joined = os.path.join(where, "files")
             if not join_pieces(where, joined):
                 if complete is True or folder in (complete or ()):
