@@ -75,15 +75,14 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
         import shutil
         shutil.copyfile(latency_table, table)
     from sparsebalance_megatron.attention.api import backend_missing
-    from sparsebalance_megatron.megatron.launch.lengths import (LENGTH_FREE_BACKENDS,
-                                                                 VARIABLE_MULTIPLE)
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.launch.lengths import (
+        LENGTH_FREE_BACKENDS, VARIABLE_MULTIPLE, auto_takes_any_length)
     bench_backends = [b for b in (bench_backends or ("triton", "fa4", "flex", "flash"))
                       if backend_missing(b, "cuda") is None]
     # the train runs' micro-batches are variable-length through triton, and through 'auto' where
     # triton serves the model (the launch's own rule, for SHAPE's head dim in bf16 at block
     # 128): the profile's grid then spans several token totals, as such a run's table must
-    from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.launch.lengths import auto_takes_any_length
     variable = train_backend in LENGTH_FREE_BACKENDS or (train_backend == "auto" and (
         auto_takes_any_length(argparse.Namespace(
             kv_channels=int(SHAPE[SHAPE.index("--kv-channels") + 1]), bf16=True),

@@ -193,14 +193,6 @@ def data_sets(out_dir):
     return data, info
 
 
-def device_gib():
-    """The device's memory in GiB, or None without CUDA."""
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / float(1 << 30)
-
-
 def run_table(work, data_name, backend, given):
     """The latency table a run of ``data_name`` plans with: ``given`` (``--latency-table``), else
     this model's table at its micro-batch priced by run 5's kernel table of ``backend``
@@ -248,8 +240,11 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None, memory_gib=
            "layers": LAYERS}
     data, info = data_sets(out_dir)
     res.update(info)
-    gib = memory_gib if memory_gib is not None else device_gib()
-    plans = {d: memory_plan(seq_of(d), gib) if gib else {"flags": [], "fits": True}
+    if memory_gib is None:
+        import torch
+        if torch.cuda.is_available():
+            memory_gib = torch.cuda.get_device_properties(0).total_memory / float(1 << 30)
+    plans = {d: memory_plan(seq_of(d), memory_gib) if memory_gib else {"flags": [], "fits": True}
              for d in data}
     res["memory"] = {d: p for d, p in plans.items() if "why" in p}
     summaries, pool = {}, ThreadPoolExecutor(max_workers=1)   # beside the next run
@@ -320,14 +315,13 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
     if not torch.cuda.is_available():
         return {}
     from .kernels import BLOCK, Case, dense_passes
-    nh = int(shape[shape.index("--num-attention-heads") + 1])
-    ng = int(shape[shape.index("--num-query-groups") + 1])
-    hn = int(shape[shape.index("--kv-channels") + 1])
+    heads = "/".join(shape[shape.index(flag) + 1] for flag in (
+        "--num-attention-heads", "--num-query-groups", "--kv-channels"))     # 'np/ng/hn'
     out = {}
     for n in seq_lens:
-        case = Case("single", [n], f"{nh}/{ng}/{hn}")
+        case = Case("single", [n], heads)
         rows = dense_passes(case, reps)
-        pairs = case.causal_tiles() / nh
+        pairs = case.causal_tiles() / case.nh
         out[str(n)] = {k: 1000 * (rows[k]["fwd_ms"] + rows[k]["bwd_ms"]) / pairs
                        for k in ("cudnn", "varlen") if "fwd_ms" in rows.get(k, {})}
         out[str(n)]["block"] = BLOCK
@@ -498,11 +492,8 @@ def step_recompile(backend="flex"):
 
 
 def step_pieces(py, out_dir, work, limit, env):
-    """Where one sparse call's time goes (``scripts/bench.py fa4_pieces``, its defaults): fa4's
-    kernel in both GQA backward forms and its whole call, then triton's call, at 8/2 x 128 and
-    14/2 x 64, densities 0.25 and 1, one 32K document; each pass's host and GPU time apart and
-    its kernels from a profiler trace. Rows to ``out_dir`` as measured, the JSON to ``work``,
-    a deadline 10 s under ``limit``."""
+    """Where one sparse call's time goes (``scripts/bench.py fa4_pieces`` at its defaults): rows
+    to ``out_dir`` as measured, the JSON to ``work``, a deadline 10 s under ``limit``."""
     rows, res = run_rows(py, "fa4_pieces", os.path.join(out_dir, "pieces_rows.jsonl"),
                          os.path.join(work, "fa4_pieces.json"), os.path.join(work, "pieces.log"),
                          limit, env)

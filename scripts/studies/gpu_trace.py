@@ -14,6 +14,8 @@ import json
 import os
 import re
 
+from .full_depth import SEQUENCES
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 RANGE_CATEGORIES = ("cpu_op", "user_annotation")
@@ -396,8 +398,7 @@ def _tile_seconds(tile_us, data_name):
     costs = [(int(n), c) for n, c in tile_us.items() if "cudnn" in c and "varlen" in c]
     if not costs:
         return None
-    seq = 65536 if data_name.endswith("_64k") else 131072 if data_name.endswith("_128k") \
-        else 32768
+    seq = SEQUENCES.get(data_name, 32768)
     fit = [c for n, c in sorted(costs) if n <= seq] or [min(costs)[1]]
     return fit[-1]["varlen"] / 1e6, fit[-1]["cudnn"] / 1e6
 
