@@ -83,11 +83,9 @@ def predicted(lm, batch, densities) -> tuple:
     """[dp, m, pp] fwd and bwd seconds the table gives the arm's units."""
     units = lm.unit_features(batch.unit_csr(with_padding=True))
     dp, m, pp = densities.shape
-    f, b = np.zeros(densities.shape), np.zeros(densities.shape)
-    for v in range(pp):
-        fv, bv = lm.predict_many_fwd_bwd(units, densities[:, :, v].reshape(-1), v)
-        f[:, :, v], b[:, :, v] = fv.reshape(dp, m), bv.reshape(dp, m)
-    return f, b
+    per_stage = [lm.predict_many_fwd_bwd(units, densities[:, :, v].reshape(-1), v)
+                 for v in range(pp)]
+    return tuple(np.stack([p[k].reshape(dp, m) for p in per_stage], axis=-1) for k in (0, 1))
 
 
 class UnitTimer:

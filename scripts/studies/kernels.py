@@ -8,6 +8,7 @@ deadline and its rows written as measured.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -102,11 +103,8 @@ class Case:
                                   .to(device, dtype).requires_grad_(True)
                                   for h in (self.nh, self.ng, self.ng))
         self.g = torch.randn(t, self.nh, self.hn, generator=gen).to(device, dtype)
-        bounds = [0]
-        for n in self.doc_lens:
-            bounds.append(bounds[-1] + n)
-        self.bounds = bounds
-        self.cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.bounds = [0, *itertools.accumulate(self.doc_lens)]
+        self.cu = torch.tensor(self.bounds, dtype=torch.int32, device=device)
         self.scale = self.hn ** -0.5
 
     @property

@@ -17,13 +17,9 @@ HEADS = {"qwen2.5-0.5b (14q/2kv)": (14, 2), "32q/8kv": (32, 8)}
 
 
 def _bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+    """Bytes of the storages under ``tensors``, each storage once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
 
 
 def before_bytes(nb: int, nh: int, ng: int, bs: int) -> int:

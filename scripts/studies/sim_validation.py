@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import parser, torchrun, write_result
+from .common import ROOT, parser, torchrun, write_result
 
-REPO = Path(__file__).resolve().parents[2]
 P2P_S = 0.0          # the p2p latency given to the simulator (every documented run)
-ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
+ENTRY = os.path.join(ROOT, "examples", "pretrain_gpt_sparsebalance.py")
 
 
 def main(argv=None) -> int:
@@ -36,8 +35,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [*torchrun(args.nproc), str(ENTRY), *rest,
-               "--sb-metrics-file", str(metrics)]
+        cmd = [*torchrun(args.nproc), ENTRY, *rest, "--sb-metrics-file", str(metrics)]
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
             return proc.returncode
