@@ -250,15 +250,12 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None, memory_gib=
     summaries, pool = {}, ThreadPoolExecutor(max_workers=1)   # beside the next run
     for data_name, variant in train_order(data):
         name = f"{data_name}/{variant}"
-        counts = (data_name, variant) in TARGET_RUNS
-        if not plans[data_name]["fits"]:
-            res["runs"][name] = {"ok": False, "skipped": f"memory: {plans[data_name]['why']}"}
-            res["ok"] = res["ok"] and not counts
-            continue
         left = limit - (time.time() - t0)
-        if left < 30:
-            res["runs"][name] = {"ok": False, "skipped": "out of time"}
-            res["ok"] = res["ok"] and not counts
+        skipped = (f"memory: {plans[data_name]['why']}" if not plans[data_name]["fits"]
+                   else "out of time" if left < 30 else None)
+        if skipped:
+            res["runs"][name] = {"ok": False, "skipped": skipped}
+            res["ok"] = res["ok"] and (data_name, variant) not in TARGET_RUNS
             continue
         metrics = os.path.join(out_dir, f"train_{data_name}_{variant}.jsonl")
         if os.path.exists(metrics):
@@ -290,13 +287,12 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None, memory_gib=
     for name, job in summaries.items():
         res["runs"][name]["gpu_profile"] = job.result()
     pool.shutdown()
-    for data_name in data:
-        compare_with_dense(res["runs"], data_name)
-        cudnn_measured(res["runs"], data_name)
     if tile_costs:
         res["dense_tile_us"] = tile_costs
     priced = tile_costs if tile_costs and "failed" not in tile_costs else None
     for data_name in data:
+        compare_with_dense(res["runs"], data_name)
+        cudnn_measured(res["runs"], data_name)
         if priced:
             cudnn_priced(res["runs"], data_name, priced, res["layers"])
             step_bounds(res["runs"], data_name, priced, res["layers"])
