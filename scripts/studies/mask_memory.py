@@ -22,10 +22,6 @@ def _bytes(tensors) -> int:
                 for t in tensors}.values())
 
 
-def before_bytes(nb: int, nh: int, ng: int, bs: int) -> int:
-    return 4 * nh * nb * nb * 4 + 4 * nh * nb * 4 + ng * nb * nb + nb * bs * (8 + 1)
-
-
 def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
     lay = build_layout([0, t], t, bs, "cpu", fixed_length=True)
     shares = torch.rand(ng, lay.num_blocks, lay.num_blocks, generator=torch.Generator()
@@ -35,7 +31,8 @@ def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
     m = mask_tensors(sel)
     per_layer = _bytes(m.values())
     per_mb = _bytes(_slot_tables(lay))
-    before = before_bytes(lay.num_blocks, nh, ng, bs)
+    nb = lay.num_blocks          # before: per-head, NB-wide lists (module docstring)
+    before = 4 * nh * nb * nb * 4 + 4 * nh * nb * 4 + ng * nb * nb + nb * bs * (8 + 1)
     return dict(seq_len=t, block_size=bs, heads=nh, kv_groups=ng, density=density,
                 num_blocks=lay.num_blocks, padded_blocks=lay.padded_blocks,
                 full_kv_width=int(m["full_kv_indices"].shape[-1]),
