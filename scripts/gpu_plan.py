@@ -279,11 +279,11 @@ def _stored(path: str) -> bytes:
 
 
 def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
-    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
-    which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
-    MiB) cut into the fewest equal pieces of at most ``piece_bytes``: ``dest/1/piece.00``,
-    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole archive
-    (``all.tar.xz``), checked on the machine before anything is unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
+    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside: xz
+    packs them smaller than their own deflate) cut into the fewest equal pieces of at most
+    ``piece_bytes``: ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of
+    its piece and of the whole archive (``all.tar.xz``), checked on the machine before anything
+    is unpacked. ``preset``: xz's (9, the smallest; a test may pack quicker)."""
     if not os.path.isdir(src) or not os.listdir(src):
         raise ValueError(f"{src}: expected a folder of files to pack")
     buf = io.BytesIO()

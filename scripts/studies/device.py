@@ -107,9 +107,7 @@ PROFILE_STEP = 6
 TRAIN_PROFILED = {(d, v) for d, v in TRAIN_RUNS if d in ("long_docs", "long_docs_64k")
                   and v in ("dense_sab_sdpa", "dense_sab", "sb_d0.5", "sb_d0.25")}
 # seconds a profiled run adds, estimated: the profiler on the warm-up and the recorded step and
-# the trace's export (gzip) at the start of the next, about 50K events of a full-depth step (50K
-# CPU events took 12 s to export on this repository's loaded 2-core machine). The summary runs
-# beside the next run. The train step's budget counts it (tests/unit/test_gpu_train_step.py)
+# the trace's export at the start of the next (its summary runs beside the next run)
 PROFILE_S = 5
 
 

@@ -438,8 +438,8 @@ def call_prices(rows, shape=None) -> dict:
 def fixed_costs(rows, shape: str) -> dict:
     """{"backend variant case tokens": {"fwd": ms, "bwd": ms}}: each kernel's cost per call on
     one micro-batch, whatever its tiles: the call term of its price (``latency.sparse_call.
-    fit_price``, the simulator's fit, each pass apart) over that micro-batch's densities (run
-    5: 1.2-1.6 ms in FA4's backward). A kernel and micro-batch need three densities."""
+    fit_price``, the simulator's fit, each pass apart) over that micro-batch's densities. A
+    kernel and micro-batch need three densities."""
     from sparsebalance_megatron.latency.sparse_call import fit_price, price_rows
 
     priced = price_rows(rows, shape, kind="kernel")
