@@ -70,14 +70,10 @@ def trace_path(run_dir: str) -> str:
 
 def _union_us(spans: list) -> float:
     """Length of the union of [start, end) spans."""
-    total, end = 0.0, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):          # what each span adds past the union so far
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
     return total
 
 
@@ -187,8 +183,7 @@ def _timeline(gpu: list, events: list) -> dict:
     last = max(e["ts"] + e["dur"] for e in gpu)
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     gaps, end = [], None
-    ordered = sorted(gpu, key=lambda e: e["ts"])
-    for e in ordered:
+    for e in sorted(gpu, key=lambda e: e["ts"]):
         if end is not None and e["ts"] > end:
             gaps.append((e["ts"] - end, e))
         end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
