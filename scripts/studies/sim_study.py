@@ -48,15 +48,13 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
     # what the search's SparseBalance runs used
     cfg = stand_down_config(cfg, best_static, found["static"], found["dense"])
     best_dense = found["dense"][0]
-
-    def best_of(choices, variant):     # each packing on its own best layout
-        return next(c for c in choices if c.variant == variant).layout
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
     plain_static = found["plain_static"]
+    dp_balanced = next(c for c in found["static"] if c.variant == "dp_balanced")  # its best
     runs = {**dense_packings(found),
-            "dp_balanced": ("dp_balanced", best_of(found["static"], "dp_balanced")),
+            "dp_balanced": ("dp_balanced", dp_balanced.layout),
             "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
             "best_plain_static": ("static", plain_static.layout),

@@ -20,11 +20,8 @@ ENTRY = os.path.join(ROOT, "examples", "pretrain_gpt_sparsebalance.py")
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:
-        i = argv.index("--")
-        own, rest = argv[:i], argv[i + 1:]
-    else:
-        own, rest = argv, []
+    i = argv.index("--") if "--" in argv else len(argv)      # the entry's flags after "--"
+    own, rest = argv[:i], argv[i + 1:]
     p = parser(__doc__, "sim_validation", json_required=True)
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args(own)
