@@ -104,10 +104,10 @@ class UnitTimer:
         init_single_process(self.sb.seed)
         self.shape = model_shape(s)
         per = s["layers"] // s["pp"]
-        kinds = ["first"] + ["middle"] * (s["pp"] - 2) + ["last"] if s["pp"] > 1 else ["only"]
-        self.kinds = kinds
+        self.kinds = (["first"] + ["middle"] * (s["pp"] - 2) + ["last"] if s["pp"] > 1
+                      else ["only"])
         self.models = {}
-        for k in dict.fromkeys(kinds):
+        for k in dict.fromkeys(self.kinds):
             torch.manual_seed(self.sb.seed)
             net, self.dev = build_stage(self.shape, self.sb, k, per)
             budget = next(m.budget for m in net.modules() if isinstance(m, SparseCoreAttention))
@@ -213,9 +213,8 @@ def compare(arms: dict, measured: dict, p2p: float) -> dict:
                        measured_fwd_s=mf.tolist(), measured_bwd_s=mb.tolist())
         row.update(densities=np.round(dens, 4).tolist())
         rows[arm] = row
-    summary = {}
     st, d, dn = rows["static"], rows["dst"], rows["dense_sab"]
-    summary["predicted_gain_vs_static"] = st["predicted_step_s"] / d["predicted_step_s"]
+    summary = {"predicted_gain_vs_static": st["predicted_step_s"] / d["predicted_step_s"]}
     if "measured_step_s" in st and "measured_step_s" in d:
         g = st["measured_step_s"] / d["measured_step_s"]
         summary.update(measured_gain_vs_static=g, gain_gap_points=100 * (
