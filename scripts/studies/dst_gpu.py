@@ -138,7 +138,9 @@ class UnitTimer:
                 if kind in ("middle", "last"):
                     net.set_input_tensor(hidden.clone().requires_grad_(True))
                 labels = tokens if kind in ("last", "only") else None
-                marks = self._marks()
+                if self.cuda:
+                    torch.cuda.synchronize()
+                marks = [self._mark()]
                 out = net(tokens if kind in ("first", "only") else None, pos, None,
                           labels=labels, packed_seq_params=psp)
                 marks.append(self._mark())
@@ -162,11 +164,6 @@ class UnitTimer:
             e.record()
             return e
         return time.perf_counter()
-
-    def _marks(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        return [self._mark()]
 
     def _elapsed(self, marks):
         if self.cuda:

@@ -354,12 +354,9 @@ def summarize(rows):
                 and r["case"] == "single" and r["tokens"] == MIX_TOKENS]
         e = {}
         for b in sorted({r["backend"] for r in kern}):
-            per = {}
-            for r in (r for r in kern if r["backend"] == b):
-                p = per.setdefault(r["density"], {"fwd": 0.0, "bwd": 0.0})
-                p["fwd"] = max(p["fwd"], r.get("e_fwd", 0.0))
-                p["bwd"] = max(p["bwd"], r.get("e_bwd", 0.0))
-            fwd, bwd = min(p["fwd"] for p in per.values()), min(p["bwd"] for p in per.values())
+            mine = [r for r in kern if r["backend"] == b]      # per pass: the worst density
+            fwd, bwd = (min(max(r.get(f"e_{p}", 0.0) for r in mine if r["density"] == d)
+                            for d in {r["density"] for r in mine}) for p in ("fwd", "bwd"))
             e[b] = {"fwd": fwd, "bwd": bwd, "met": min(fwd, bwd) >= TARGET_E}
         s["e"] = e
         for key in ("select_ms", "select_gpu_ms", "select_host_ms"):
