@@ -329,11 +329,10 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
 _run = run_logged           # the kernel-side steps' runner (a test replaces it)
 
 
-GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_megatron.attention.flex",
-                    "sparsebalance_megatron.attention.sparse_triton",
-                    "sparsebalance_megatron.attention.block_lists",
-                    "sparsebalance_megatron.attention.maxkey_triton",
-                    "sparsebalance_megatron.attention.fa4_cute")
+GPU_PATH_MODULES = tuple(f"sparsebalance_megatron.attention.{m}" for m in (
+    "dense", "flex", "sparse_triton", "block_lists", "maxkey_triton", "fa4_cute"))
+
+
 def step_env(out_dir):
     """Versions, the device, what imports, and the torch signatures every GPU path calls
     (``attention/torch_compat.py``); not ok when a GPU path cannot import or a signature lacks
