@@ -62,23 +62,21 @@ def main(argv=None) -> int:
         mg = hf_convert.build_gpt_model(arch)
         hf_convert.load_converted_weights(mg, hf_convert.convert_hf_state_dict(hf_sd, arch))
         print(f"converted the packed weights in {time.perf_counter() - t0:.1f} s: {arch}")
-        hf_convert.save_checkpoint(mg, arch, args.save)
-        print("saved", args.save)
-        return 0
-    if args.hf_dir:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(args.hf_dir)
     else:
-        hf, tok = hf_convert.load_hf_gguf(args.gguf)
-    mg, arch = hf_convert.hf_to_megatron(hf)
-    print(f"loaded and converted in {time.perf_counter() - t0:.1f} s: {arch}")
-    if not args.no_parity:
-        rel = logits_parity(hf, mg, tok)
-        print(f"logits parity (max |mg - hf| / max |hf|): {rel:.2e}")
-        if rel > 1e-4:
-            print("error: parity above 1e-4", file=sys.stderr)
-            return 1
+        if args.hf_dir:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
+            tok = AutoTokenizer.from_pretrained(args.hf_dir)
+        else:
+            hf, tok = hf_convert.load_hf_gguf(args.gguf)
+        mg, arch = hf_convert.hf_to_megatron(hf)
+        print(f"loaded and converted in {time.perf_counter() - t0:.1f} s: {arch}")
+        if not args.no_parity:
+            rel = logits_parity(hf, mg, tok)
+            print(f"logits parity (max |mg - hf| / max |hf|): {rel:.2e}")
+            if rel > 1e-4:
+                print("error: parity above 1e-4", file=sys.stderr)
+                return 1
     hf_convert.save_checkpoint(mg, arch, args.save)
     print("saved", args.save)
     return 0

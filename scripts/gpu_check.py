@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.device import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
                             dense_tile_costs, rows_of, run_logged as _run, step_bench,
                             step_env, step_pieces, step_recompile, step_train)
-from studies.gpu_trace import (LAYERS, SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
+from studies.gpu_trace import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
                                cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
                                train_summary)
 STEPS = ("env", "pieces", "bench", "tests", "recompile", "latency", "dst", "train")
@@ -66,7 +66,7 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
     ``bundle.tar.gz`` of everything else, rewritten after each step. ``latency_table``: the
     train step's table, profiled earlier on this device kind (no ``latency`` step needed);
     ``bench_lengths``: the kernel table's single-document lengths."""
-    results = {}
+    results, start = {}, time.time()
     work = work or out_dir
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     py = sys.executable
@@ -75,15 +75,14 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
         import shutil
         shutil.copyfile(latency_table, table)
     from sparsebalance_megatron.attention.api import backend_missing
-    from sparsebalance_megatron.megatron.launch.lengths import (LENGTH_FREE_BACKENDS,
-                                                                 VARIABLE_MULTIPLE)
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.launch.lengths import (
+        LENGTH_FREE_BACKENDS, VARIABLE_MULTIPLE, auto_takes_any_length)
     bench_backends = [b for b in (bench_backends or ("triton", "fa4", "flex", "flash"))
                       if backend_missing(b, "cuda") is None]
     # the train runs' micro-batches are variable-length through triton, and through 'auto' where
     # triton serves the model (the launch's own rule, for SHAPE's head dim in bf16 at block
     # 128): the profile's grid then spans several token totals, as such a run's table must
-    from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.launch.lengths import auto_takes_any_length
     variable = train_backend in LENGTH_FREE_BACKENDS or (train_backend == "auto" and (
         auto_takes_any_length(argparse.Namespace(
             kv_channels=int(SHAPE[SHAPE.index("--kv-channels") + 1]), bf16=True),
@@ -158,7 +157,7 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
                                                      "priced from run 5 (studies/device.py)")
         results[name] = res
         print(f"[gpu_check] {name}: {'ok' if res.get('ok') else 'FAILED'} "
-              f"({time.time() - deadline + LIMIT_TOTAL:.0f} s elapsed)", flush=True)
+              f"({time.time() - start:.0f} s elapsed)", flush=True)
         _write(results, out_dir)
         if work != out_dir:
             bundle(work, os.path.join(out_dir, "bundle.tar.gz"))
@@ -178,22 +177,6 @@ def bundle(work, path, max_file=8 << 20):
                 if os.path.getsize(full) <= max_file:
                     tar.add(full, arcname=os.path.relpath(full, work))
     os.replace(tmp, path)
-
-
-LIMIT_TOTAL = 570
-
-
-def attention_share(results):
-    """Dense attention's share of a dense whole-file step, estimated from the kernel table (the
-    dense varlen call's fwd+bwd on packed 32K whole-file micro-batches of 14/2 heads, hn 64)
-    times layers and micro-batches per step, over the dense run's measured step time."""
-    rows = results.get("bench", {}).get("rows_dense_files")
-    run = results.get("train", {}).get("runs", {}).get("files/dense", {})
-    if not rows or not run.get("tokens_per_s"):
-        return None
-    layers, mbs = LAYERS, 2
-    step_s = mbs * 32768 / run["tokens_per_s"]
-    return layers * mbs * (sum(rows) / len(rows)) / 1000 / step_s
 
 
 def targets(results):
@@ -254,8 +237,7 @@ def _provenance():
 def _write(results, out_dir):
     prov = _provenance()
     doc = {**prov, "device": results.get("env", {}).get("device") or prov["device"],
-           "steps": results, "targets": targets(results), "attention_share_dense_files_est":
-           attention_share(results), "command": " ".join(sys.argv)}
+           "steps": results, "targets": targets(results), "command": " ".join(sys.argv)}
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     return doc
@@ -303,8 +285,6 @@ def main(argv=None) -> int:
         work = os.path.join("/tmp", "gpu_check_work", os.path.basename(
             os.path.abspath(args.out_dir)))
         os.makedirs(work, exist_ok=True)
-    global LIMIT_TOTAL
-    LIMIT_TOTAL = args.budget_s
     if args.latency_table and not os.path.isfile(args.latency_table):
         ap.error(f"--latency-table {args.latency_table}: no such file; expected a latency "
                  f"table JSON profiled on this device kind")

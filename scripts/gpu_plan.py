@@ -61,9 +61,9 @@ class Call:
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
-# Issue 61's kernel calls (FlashAttention-4's wheels, 96 MiB, come in two pieces: the first
-# call times every kernel that needs no FA4 and stages the first piece; the second, at once on
-# the warm machine, joins them and times FA4). The kernels plan. Measured on the H200 (runs 4-5): 75-99 s each with the start
+# Issue 61's kernel calls: FA4's wheels come in two pieces; the first call times every kernel
+# that needs no FA4 and stages the first piece, the second (at once, on the warm machine) joins
+# them and times FA4
 KERNEL_CALLS: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
@@ -79,13 +79,8 @@ KERNEL_CALLS: Tuple[Call, ...] = (
               "both ways, then its rows and flex's flash kernel's (one document of 32K and of "
               "16K), each pass's host and GPU time apart"),
 )
-# Issue 74's plan, ONE for all its open work, the decisive measurement first: (1) stages FA4's
-# first piece (the tree, 21.9 MiB on 2026-11-27, leaves no room beside it for megatron-core's
-# .whl, 10.1 MiB); (2) FA4's pieces, kernel by kernel, host and GPU apart (and the selection's
-# and lists', through triton's call: ``fa4_pieces``), then FA4's price at two lengths; (3) the
-# full-depth model's steady steps, profiled, at 32K and 64K against dense + SAB priced at
-# cuDNN's kernel and measured through cuDNN SDPA, each step beside its bound, then DST with GPU
-# timings (PP 4 x DP 4). 720 s of device time with the start and the transfers (``DEVICE_S``)
+# Issue 74's plan, one for all its open work, the decisive measurement first (each call's
+# ``what`` says what it runs); the tree leaves no room beside FA4's first piece for .whl
 PLAN: Tuple[Call, ...] = (
     Call("stage", ("env",), 35, 25, carry=(".whl-fa4/1",), outputs=("gpu_check.json",),
          what="versions, imports, signatures, which backends can run; FA4's first piece staged "
@@ -284,11 +279,11 @@ def _stored(path: str) -> bytes:
 
 
 def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
-    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
-    which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
-    MiB) cut into the fewest equal pieces of at most ``piece_bytes``: ``dest/1/piece.00``,
-    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole archive
-    (``all.tar.xz``), checked on the machine before anything is unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
+    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside: xz
+    packs them smaller than their own deflate) cut into the fewest equal pieces of at most
+    ``piece_bytes``: ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of
+    its piece and of the whole archive (``all.tar.xz``), checked on the machine before anything
+    is unpacked. ``preset``: xz's (9, the smallest; a test may pack quicker)."""
     if not os.path.isdir(src) or not os.listdir(src):
         raise ValueError(f"{src}: expected a folder of files to pack")
     buf = io.BytesIO()
@@ -304,14 +299,12 @@ def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
     data = lzma.compress(buf.getvalue(), preset=preset)
     whole = hashlib.sha256(data).hexdigest()
     n = max(1, -(-len(data) // piece_bytes))
-    sizes = [-(-len(data) // n)] * n
-    n, at, folders = len(sizes), 0, []
-    for i, size in enumerate(sizes):
+    size, folders = -(-len(data) // n), []
+    for i in range(n):
         folder = os.path.join(dest, str(i + 1))
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
-            fh.write(data[at:at + size])
-        at += size
+            fh.write(data[i * size:(i + 1) * size])
         write_manifest(folder, {"all.tar.xz": whole, f"pieces.{n}": "0" * 64})
         folders.append(folder)
     return folders
@@ -326,15 +319,11 @@ def join_pieces(stage: str, out_dir: str) -> bool:
     names = [f"piece.{i:02d}" for i in range(n)]
     if not all(os.path.exists(os.path.join(stage, p)) for p in names):
         return False
-    h, data = hashlib.sha256(), bytearray()
-    for p in names:
-        chunk = open(os.path.join(stage, p), "rb").read()
-        h.update(chunk)
-        data += chunk
-    if h.hexdigest() != man["all.tar.xz"]:
+    data = b"".join(open(os.path.join(stage, p), "rb").read() for p in names)
+    if hashlib.sha256(data).hexdigest() != man["all.tar.xz"]:
         raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's "
                          f"all.tar.xz")
-    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(bytes(data)))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(data))) as tar:
         tar.extractall(out_dir, filter="data")
     return True
 
@@ -352,12 +341,8 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
         if any(n.startswith("piece.") for n in names):
             where = os.path.join(stage, os.path.basename(os.path.dirname(os.path.abspath(folder))))
             os.makedirs(where, exist_ok=True)
-            for n in names:
-                if n.startswith("piece."):
-                    shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
-            with open(os.path.join(folder, MANIFEST)) as src, \
-                    open(os.path.join(where, MANIFEST), "w") as dst:
-                dst.write(src.read())
+            for n in [n for n in names if n.startswith("piece.")] + [MANIFEST]:
+                shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
             joined = os.path.join(where, "files")
             if not join_pieces(where, joined):
                 if complete is True or folder in (complete or ()):

@@ -6,28 +6,15 @@
 #   FA4=1 bash scripts/gpu_wheels.sh    # also .whl-fa4/1, 2: flash-attn-4 and the CuTe DSL, for
 #                                       # the kernel call and --sb-attention-backend flash / fa4
 #
-# The device image has Python 3.12, torch 2.11 + CUDA 13 and no network. The FA4 set is the newest
-# that is consistent: flash-attn-4 4.0.0b36 (needs nvidia-cutlass-dsl >= 4.6.2, quack-kernels
-# >= 0.5.3, apache-tvm-ffi >= 0.1.11 < 0.2, torch-c-dlpack-ext, einops), nvidia-cutlass-dsl 4.8.1,
-# quack-kernels 0.6.5 (needs nvidia-cutlass-dsl >= 4.7), apache-tvm-ffi 0.1.15.post2 (one binary per
-# Python, none per torch), torch-c-dlpack-ext 0.1.5 (binaries for torch 2.4-2.9 only; torch 2.11
-# has Tensor.__dlpack_c_exchange_api__ itself, so it and tvm-ffi load none) and einops 0.8.2
-# (flash_attn.cute.interface imports it). nvidia-cutlass-dsl 4.8.1 is metadata and the .pth file
-# that puts nvidia_cutlass_dsl/dsl_packages on sys.path (a --target install on PYTHONPATH reads no
-# .pth: add that folder to PYTHONPATH); the DSL itself is three wheels with no file in common, all
-# needed (without any one flash_attn.cute does not import): -libs-core 4.8.1 (the cutlass package,
-# pure Python), -libs-base 4.8.1 (the MLIR bindings and dialects, 3 MB) and -libs-cu13 4.8.1 (the
-# compiler and runtime for CUDA 13, 92 MB; nvidia-cutlass-dsl's default -libs-cu12 is not carried:
-# the device has CUDA 13). Not carried: what the device's torch 2.11 brings (cuda-bindings >= 13.0.3,
-# which the DSL needs >= 12.8, typing-extensions) and protobuf (a requirement of the DSL's wheels
-# that nothing here imports). Override the set with FA4_SET="...".
-# Every call may carry at most 60 MiB with the working tree (scripts/gpu_plan.py): the FA4 set
-# (97.5 MiB of wheels) is one tar, its wheels stored uncompressed and the whole xz-compressed
-# (64.2 MiB), cut into the fewest equal pieces that each fit one call beside the tree alone (a
-# call that carries a piece carries nothing else): two of 32.1 MiB with the 16.5 MiB tree of
-# 2026-11-26 (the wheels' own deflate needed three). Each piece sits in its own folder with a
-# sha256 manifest of the piece and of the whole archive; `gpu_plan.py unpack` checks both before
-# it decompresses or extracts anything.
+# The device has Python 3.12, torch 2.11 + CUDA 13 and no network. The FA4 set is the newest
+# consistent one (flash-attn-4 4.0.0b36 needs nvidia-cutlass-dsl >= 4.6.2, quack-kernels >= 0.5.3,
+# apache-tvm-ffi >= 0.1.11 < 0.2). The CuTe DSL is four wheels, all needed: nvidia-cutlass-dsl
+# (only the .pth that puts nvidia_cutlass_dsl/dsl_packages on sys.path: a --target install on
+# PYTHONPATH reads no .pth, so that folder goes on PYTHONPATH), -libs-core, -libs-base and
+# -libs-cu13 (its default -libs-cu12 does not fit the device's CUDA 13). Not carried: what the
+# device's torch brings (cuda-bindings, typing-extensions) and protobuf (nothing imports it).
+# Override the set with FA4_SET="...". A call carries at most 60 MiB with the tree, so the FA4 set
+# goes as checksummed pieces that each fit one call beside the tree (`gpu_plan.py pack`, `unpack`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -89,12 +89,8 @@ def straggler_example(density: float = 0.5, m: int = 8, seed: int = 0):
             room -= x
         units.append(mix)
     units[3] = [t]                    # rank 0, micro-batch 3: the long document
-    f = np.zeros((2, m, 4))
-    b = np.zeros((2, m, 4))
-    for s in range(4):
-        fw, bw = model.predict_many_fwd_bwd(units, density, s)
-        f[:, :, s] = fw.reshape(2, m)
-        b[:, :, s] = bw.reshape(2, m)
+    per_stage = [model.predict_many_fwd_bwd(units, density, s) for s in range(4)]
+    f, b = (np.stack([p[k].reshape(2, m) for p in per_stage], axis=-1) for k in (0, 1))
     return simulate_1f1b(f, b, model.p2p_s, record=True), model
 
 

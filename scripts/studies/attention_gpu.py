@@ -14,7 +14,7 @@ import torch
 from .common import ROOT, gpu_provenance, parser, write_result
 from .kernels import (Case, Clock, Lists, RowLog, add_row_args, call_fn, check, crossover_of,
                       dense_passes, e_against, kernel_fn, make_mixes, parse_shape, pass_times,
-                      print_table, rates, summarize)
+                      print_table, rates, summarize, usable_backends)
 
 DENSITIES = (0.25, 0.5, 1.0, 0.125)
 SINGLE_LENGTHS = (32768,)
@@ -216,19 +216,6 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                       f"cuDNN)", file=sys.stderr)
             log.add(row)
     return True
-
-
-def usable_backends(requested):
-    """The requested backends that can run here, and why the others cannot."""
-    from sparsebalance_megatron.attention.api import backend_missing
-    ok, skipped = [], {}
-    for b in requested:
-        why = backend_missing(b, "cuda")
-        if why is None:
-            ok.append(b)
-        else:
-            skipped[b] = why
-    return ok, skipped
 
 
 def run(args, backends, log, clock, mixes) -> bool:

@@ -85,10 +85,9 @@ def _run(rank: int, cp: int, init_file: str, args, out):
                 comm.all_to_all(x, group)
                 times.append(time.perf_counter() - t0)
             a2a += 2 * statistics.median(times[1:])
-    rec = {"rank": rank, "step_s": statistics.median(steps), "a2a_s": a2a,
-           "saved_bytes": saved,
-           "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    out[rank] = rec
+    out[rank] = {"rank": rank, "step_s": statistics.median(steps), "a2a_s": a2a,
+                 "saved_bytes": saved,
+                 "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if group is not None:
         dist.destroy_process_group()
 

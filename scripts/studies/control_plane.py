@@ -84,13 +84,14 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
         out.append({"name": name, "where": where, "grows": grows, "bytes": int(received),
                     "seconds": collective_s(kind, n, stride, payload) if n > 1 else 0.0})
 
+    def rounds(name, nb):                   # one all-reduce of each of ``nb`` bytes
+        out.append({"name": name, "where": "draft", "grows": False,
+                     "bytes": int(round(ar * sum(nb))), "count": len(nb),
+                     "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+
     ar = 2.0 * (dp - 1) / dp                # a ring all-reduce: what a rank receives per byte
     for op in ("sum", "max"):
-        floats = [sum(r[op].values()) for r in q["rounds"] if r[op]]
-        nb = [8 * f for f in floats]
-        out.append({"name": f"dst.rounds.{op}", "where": "draft", "grows": False,
-                    "bytes": int(round(ar * sum(nb))), "count": len(nb),
-                    "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+        rounds(f"dst.rounds.{op}", [8 * sum(r[op].values()) for r in q["rounds"] if r[op]])
     add("dst.step_max", "draft", False, "allreduce", dp, tp, 8, 2 * ar * 8)
     out[-1]["seconds"] *= 2                          # one per packing
     from sparsebalance_megatron.policy.agreed_stats import BINS, ERRORS_PER_RANK, EXACT_VALUES
@@ -106,10 +107,7 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     add("sab.fits", "draft", False, "allreduce", dp, tp, 8, ar * 8)
     # the candidates from every rank's makespan: the range, refinements, hash-slot gathers
     for op in ("sum", "max"):
-        nb = [8 * r[op] for r in q["span_rounds"] if r[op]]
-        out.append({"name": f"sab.candidate_rounds.{op}", "where": "draft", "grows": False,
-                    "bytes": int(round(ar * sum(nb))), "count": len(nb),
-                    "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+        rounds(f"sab.candidate_rounds.{op}", [8 * r[op] for r in q["span_rounds"] if r[op]])
     from sparsebalance_megatron.batching.slots import PARTNERS, ROUNDS
 
     cand = min(2 * (2 * ROUNDS + PARTNERS + 1), dp) * (q["unit_floats"] + docs) * 8
@@ -371,40 +369,32 @@ def record_shapes(dp: int, pp: int, m: int, docs: int):
 
 # --- host CPU of the record gather, measured --------------------------------------------------
 
-def _synthetic_step(dp: int, pp: int, m: int, docs: int, rng):
-    """A rank's RankReport and every DP rank's document slots of the step's shape (random
-    values: sizes and layout matter here, not the numbers)."""
-    from sparsebalance_megatron.megatron.step.record import RankReport
-
-    slots = [np.arange(r * docs, (r + 1) * docs) for r in range(dp)]
-    report = RankReport(0, pp - 1, 12345, fwd_s=rng.uniform(0, 1, m).tolist(),
-                        bwd_s=rng.uniform(0, 1, m).tolist(), units=[(j, pp - 1) for j in range(m)],
-                        step_s=2.0, loss=(1.0, 2.0),
-                        doc_values={int(d): (1.0, 2.0) for d in slots[0]})
-    return report, slots
-
-
 def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> float:
     """One rank's host seconds of the record's path on the critical path: encode, combine its
     cell's TP records, join its pipeline, split its documents off and decode its own line (the
     DP level's sums and maxima are collectives)."""
-    from sparsebalance_megatron.megatron.step.record import (RecordShape, combine_cell,
-                                                              decode_step, encode_rank,
-                                                              join_pipeline, split_docs)
+    from sparsebalance_megatron.megatron.step.record import (RankReport, RecordShape,
+                                                              combine_cell, decode_step,
+                                                              encode_rank, join_pipeline,
+                                                              split_docs)
 
     cell_shape, line_shape = record_shapes(dp, pp, m, docs)
-    report, slots = _synthetic_step(dp, pp, m, docs, np.random.default_rng(0))
+    # the step's shape with random values (sizes and layout matter here, not the numbers)
+    rng, own = np.random.default_rng(0), np.arange(docs)          # DP rank 0's document slots
+    report = RankReport(0, pp - 1, 12345, fwd_s=rng.uniform(0, 1, m).tolist(),
+                        bwd_s=rng.uniform(0, 1, m).tolist(), units=[(j, pp - 1) for j in range(m)],
+                        step_s=2.0, loss=(1.0, 2.0), doc_values={int(d): (1.0, 2.0) for d in own})
 
     def cell_of(s: int) -> np.ndarray:
         rep = replace(report, pp=s)
-        return combine_cell(np.stack([encode_rank(rep, cell_shape, slots[0])] * tp), cell_shape)
+        return combine_cell(np.stack([encode_rank(rep, cell_shape, own)] * tp), cell_shape)
 
     cells = np.stack([cell_of(s) for s in range(pp)])
     bare = RecordShape(line_shape.stages, line_shape.timed, line_shape.units)
 
     def gather():
-        combine_cell(np.stack([encode_rank(report, cell_shape, slots[0])] * tp), cell_shape)
+        combine_cell(np.stack([encode_rank(report, cell_shape, own)] * tp), cell_shape)
         line = join_pipeline(cells, cell_shape)
-        decode_step(split_docs(line, line_shape, slots[0])[0][None], bare, ())
+        decode_step(split_docs(line, line_shape, own)[0][None], bare, ())
 
     return median_ms(gather, repeats, warmup=1, cuda=False, clock=time.thread_time) / 1e3

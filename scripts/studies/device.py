@@ -107,9 +107,7 @@ PROFILE_STEP = 6
 TRAIN_PROFILED = {(d, v) for d, v in TRAIN_RUNS if d in ("long_docs", "long_docs_64k")
                   and v in ("dense_sab_sdpa", "dense_sab", "sb_d0.5", "sb_d0.25")}
 # seconds a profiled run adds, estimated: the profiler on the warm-up and the recorded step and
-# the trace's export (gzip) at the start of the next, about 50K events of a full-depth step (50K
-# CPU events took 12 s to export on this repository's loaded 2-core machine). The summary runs
-# beside the next run. The train step's budget counts it (tests/unit/test_gpu_train_step.py)
+# the trace's export at the start of the next (its summary runs beside the next run)
 PROFILE_S = 5
 
 
@@ -193,14 +191,6 @@ def data_sets(out_dir):
     return data, info
 
 
-def device_gib():
-    """The device's memory in GiB, or None without CUDA."""
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / float(1 << 30)
-
-
 def run_table(work, data_name, backend, given):
     """The latency table a run of ``data_name`` plans with: ``given`` (``--latency-table``), else
     this model's table at its micro-batch priced by run 5's kernel table of ``backend``
@@ -248,22 +238,22 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None, memory_gib=
            "layers": LAYERS}
     data, info = data_sets(out_dir)
     res.update(info)
-    gib = memory_gib if memory_gib is not None else device_gib()
-    plans = {d: memory_plan(seq_of(d), gib) if gib else {"flags": [], "fits": True}
+    if memory_gib is None:
+        import torch
+        if torch.cuda.is_available():
+            memory_gib = torch.cuda.get_device_properties(0).total_memory / float(1 << 30)
+    plans = {d: memory_plan(seq_of(d), memory_gib) if memory_gib else {"flags": [], "fits": True}
              for d in data}
     res["memory"] = {d: p for d, p in plans.items() if "why" in p}
     summaries, pool = {}, ThreadPoolExecutor(max_workers=1)   # beside the next run
     for data_name, variant in train_order(data):
         name = f"{data_name}/{variant}"
-        counts = (data_name, variant) in TARGET_RUNS
-        if not plans[data_name]["fits"]:
-            res["runs"][name] = {"ok": False, "skipped": f"memory: {plans[data_name]['why']}"}
-            res["ok"] = res["ok"] and not counts
-            continue
         left = limit - (time.time() - t0)
-        if left < 30:
-            res["runs"][name] = {"ok": False, "skipped": "out of time"}
-            res["ok"] = res["ok"] and not counts
+        skipped = (f"memory: {plans[data_name]['why']}" if not plans[data_name]["fits"]
+                   else "out of time" if left < 30 else None)
+        if skipped:
+            res["runs"][name] = {"ok": False, "skipped": skipped}
+            res["ok"] = res["ok"] and (data_name, variant) not in TARGET_RUNS
             continue
         metrics = os.path.join(out_dir, f"train_{data_name}_{variant}.jsonl")
         if os.path.exists(metrics):
@@ -295,13 +285,12 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None, memory_gib=
     for name, job in summaries.items():
         res["runs"][name]["gpu_profile"] = job.result()
     pool.shutdown()
-    for data_name in data:
-        compare_with_dense(res["runs"], data_name)
-        cudnn_measured(res["runs"], data_name)
     if tile_costs:
         res["dense_tile_us"] = tile_costs
     priced = tile_costs if tile_costs and "failed" not in tile_costs else None
     for data_name in data:
+        compare_with_dense(res["runs"], data_name)
+        cudnn_measured(res["runs"], data_name)
         if priced:
             cudnn_priced(res["runs"], data_name, priced, res["layers"])
             step_bounds(res["runs"], data_name, priced, res["layers"])
@@ -320,14 +309,13 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
     if not torch.cuda.is_available():
         return {}
     from .kernels import BLOCK, Case, dense_passes
-    nh = int(shape[shape.index("--num-attention-heads") + 1])
-    ng = int(shape[shape.index("--num-query-groups") + 1])
-    hn = int(shape[shape.index("--kv-channels") + 1])
+    heads = "/".join(shape[shape.index(flag) + 1] for flag in (
+        "--num-attention-heads", "--num-query-groups", "--kv-channels"))     # 'np/ng/hn'
     out = {}
     for n in seq_lens:
-        case = Case("single", [n], f"{nh}/{ng}/{hn}")
+        case = Case("single", [n], heads)
         rows = dense_passes(case, reps)
-        pairs = case.causal_tiles() / nh
+        pairs = case.causal_tiles() / case.nh
         out[str(n)] = {k: 1000 * (rows[k]["fwd_ms"] + rows[k]["bwd_ms"]) / pairs
                        for k in ("cudnn", "varlen") if "fwd_ms" in rows.get(k, {})}
         out[str(n)]["block"] = BLOCK
@@ -341,11 +329,10 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
 _run = run_logged           # the kernel-side steps' runner (a test replaces it)
 
 
-GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_megatron.attention.flex",
-                    "sparsebalance_megatron.attention.sparse_triton",
-                    "sparsebalance_megatron.attention.block_lists",
-                    "sparsebalance_megatron.attention.maxkey_triton",
-                    "sparsebalance_megatron.attention.fa4_cute")
+GPU_PATH_MODULES = tuple(f"sparsebalance_megatron.attention.{m}" for m in (
+    "dense", "flex", "sparse_triton", "block_lists", "maxkey_triton", "fa4_cute"))
+
+
 def step_env(out_dir):
     """Versions, the device, what imports, and the torch signatures every GPU path calls
     (``attention/torch_compat.py``); not ok when a GPU path cannot import or a signature lacks
@@ -416,10 +403,6 @@ def step_bench(py, out_dir, work, limit, env, backends, lengths=None):
                             if r.get("kind") == "check" and not r["ok"]]
     from .kernels import summarize     # (imports torch: inside the step)
     res["summary"] = summarize(rows)
-    res["rows_dense_files"] = sorted({r["dense_varlen_ms"] for r in rows
-                                      if r.get("kind") == "dense" and r["case"].startswith("file#")
-                                      and r["shape"] == "14/2/64"   # the train step's shape
-                                      and r["dense_varlen_ms"]})
     return res
 
 
@@ -502,11 +485,8 @@ def step_recompile(backend="flex"):
 
 
 def step_pieces(py, out_dir, work, limit, env):
-    """Where one sparse call's time goes (``scripts/bench.py fa4_pieces``, its defaults): fa4's
-    kernel in both GQA backward forms and its whole call, then triton's call, at 8/2 x 128 and
-    14/2 x 64, densities 0.25 and 1, one 32K document; each pass's host and GPU time apart and
-    its kernels from a profiler trace. Rows to ``out_dir`` as measured, the JSON to ``work``,
-    a deadline 10 s under ``limit``."""
+    """Where one sparse call's time goes (``scripts/bench.py fa4_pieces`` at its defaults): rows
+    to ``out_dir`` as measured, the JSON to ``work``, a deadline 10 s under ``limit``."""
     rows, res = run_rows(py, "fa4_pieces", os.path.join(out_dir, "pieces_rows.jsonl"),
                          os.path.join(work, "fa4_pieces.json"), os.path.join(work, "pieces.log"),
                          limit, env)

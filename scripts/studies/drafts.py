@@ -1,13 +1,9 @@
 """A planner's draft as the runtime makes it, for the studies that time drafts: the runtime's
-``Drafter`` on a latency model and step ``k``'s draft submitted to a thread or a planner process
-(``make_drafter``, ``submit_draft``; ``planner_ab`` runs the first in another checkout's tree
-too, where a checkout before this module has it in ``studies/_drafts.py``),
-and one DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
-issue 77): what a rank computes (``rank_step``: thread CPU by phase, each the least of
-``repeats`` runs; DST's phases are the maximum over the ranks, driven here in lockstep) and
-receives (``rank_bytes``: exact, each collective flagged fixed or growing with DP), and the DP
-group a rank's planner settles its own draft with (``group_record``: every rank's settle driven
-in lockstep here, the rank's rounds answered from it by ``relay.ReplayingReducer``).
+``Drafter`` and step ``k``'s draft on a thread or a planner process (``make_drafter``,
+``submit_draft``; ``planner_ab`` runs the first in another checkout too, where one before this
+module has it in ``studies/_drafts.py``), and one DP rank's planning on the per-rank path
+(``control_plane``, ``planner_cost``): its thread CPU by phase (``rank_step``) and the DP group
+it settles its draft with (``group_record``), every rank's rounds driven here in lockstep.
 """
 
 from __future__ import annotations

@@ -83,11 +83,9 @@ def predicted(lm, batch, densities) -> tuple:
     """[dp, m, pp] fwd and bwd seconds the table gives the arm's units."""
     units = lm.unit_features(batch.unit_csr(with_padding=True))
     dp, m, pp = densities.shape
-    f, b = np.zeros(densities.shape), np.zeros(densities.shape)
-    for v in range(pp):
-        fv, bv = lm.predict_many_fwd_bwd(units, densities[:, :, v].reshape(-1), v)
-        f[:, :, v], b[:, :, v] = fv.reshape(dp, m), bv.reshape(dp, m)
-    return f, b
+    per_stage = [lm.predict_many_fwd_bwd(units, densities[:, :, v].reshape(-1), v)
+                 for v in range(pp)]
+    return tuple(np.stack([p[k].reshape(dp, m) for p in per_stage], axis=-1) for k in (0, 1))
 
 
 class UnitTimer:
@@ -106,10 +104,10 @@ class UnitTimer:
         init_single_process(self.sb.seed)
         self.shape = model_shape(s)
         per = s["layers"] // s["pp"]
-        kinds = ["first"] + ["middle"] * (s["pp"] - 2) + ["last"] if s["pp"] > 1 else ["only"]
-        self.kinds = kinds
+        self.kinds = (["first"] + ["middle"] * (s["pp"] - 2) + ["last"] if s["pp"] > 1
+                      else ["only"])
         self.models = {}
-        for k in dict.fromkeys(kinds):
+        for k in dict.fromkeys(self.kinds):
             torch.manual_seed(self.sb.seed)
             net, self.dev = build_stage(self.shape, self.sb, k, per)
             budget = next(m.budget for m in net.modules() if isinstance(m, SparseCoreAttention))
@@ -140,7 +138,9 @@ class UnitTimer:
                 if kind in ("middle", "last"):
                     net.set_input_tensor(hidden.clone().requires_grad_(True))
                 labels = tokens if kind in ("last", "only") else None
-                marks = self._marks()
+                if self.cuda:
+                    torch.cuda.synchronize()
+                marks = [self._mark()]
                 out = net(tokens if kind in ("first", "only") else None, pos, None,
                           labels=labels, packed_seq_params=psp)
                 marks.append(self._mark())
@@ -164,11 +164,6 @@ class UnitTimer:
             e.record()
             return e
         return time.perf_counter()
-
-    def _marks(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        return [self._mark()]
 
     def _elapsed(self, marks):
         if self.cuda:
@@ -215,9 +210,8 @@ def compare(arms: dict, measured: dict, p2p: float) -> dict:
                        measured_fwd_s=mf.tolist(), measured_bwd_s=mb.tolist())
         row.update(densities=np.round(dens, 4).tolist())
         rows[arm] = row
-    summary = {}
     st, d, dn = rows["static"], rows["dst"], rows["dense_sab"]
-    summary["predicted_gain_vs_static"] = st["predicted_step_s"] / d["predicted_step_s"]
+    summary = {"predicted_gain_vs_static": st["predicted_step_s"] / d["predicted_step_s"]}
     if "measured_step_s" in st and "measured_step_s" in d:
         g = st["measured_step_s"] / d["measured_step_s"]
         summary.update(measured_gain_vs_static=g, gain_gap_points=100 * (

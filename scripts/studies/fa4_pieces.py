@@ -137,30 +137,14 @@ def measure(backend: str, shape: str, tokens: int, densities, reps: int, clock, 
     return True
 
 
-def missing(backend: str):
-    """Why ``backend`` cannot run this probe here, or None."""
-    import torch
-    if backend == "fa4":
-        from sparsebalance_megatron.attention.fa4_cute import fa4_missing
-        return fa4_missing("cuda")
-    if not torch.cuda.is_available():
-        return "it needs a CUDA device"
-    from sparsebalance_megatron.attention.api import backend_missing
-    return backend_missing(backend, "cuda")
-
-
 def main(argv=None) -> int:
     p = parser(__doc__, "fa4_pieces")
-    from .kernels import Clock, RowLog, add_row_args
+    from .kernels import Clock, RowLog, add_row_args, usable_backends
     add_row_args(p)
     args = p.parse_args(argv)
-    usable = []
-    for b in BACKENDS:
-        why = missing(b)
-        if why is None:
-            usable.append(b)
-        else:
-            print(f"fa4_pieces: the {b} backend cannot run here: {why}", file=sys.stderr)
+    usable, skipped = usable_backends(BACKENDS)
+    for b, why in skipped.items():
+        print(f"fa4_pieces: the {b} backend cannot run here: {why}", file=sys.stderr)
     if not usable:
         return 2
     t0, clock, log = time.time(), Clock(args.deadline_s), RowLog(args.jsonl)

@@ -14,6 +14,8 @@ import json
 import os
 import re
 
+from .full_depth import SEQUENCES
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 RANGE_CATEGORIES = ("cpu_op", "user_annotation")
@@ -68,14 +70,10 @@ def trace_path(run_dir: str) -> str:
 
 def _union_us(spans: list) -> float:
     """Length of the union of [start, end) spans."""
-    total, end = 0.0, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):          # what each span adds past the union so far
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
     return total
 
 
@@ -185,8 +183,7 @@ def _timeline(gpu: list, events: list) -> dict:
     last = max(e["ts"] + e["dur"] for e in gpu)
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     gaps, end = [], None
-    ordered = sorted(gpu, key=lambda e: e["ts"])
-    for e in ordered:
+    for e in sorted(gpu, key=lambda e: e["ts"]):
         if end is not None and e["ts"] > end:
             gaps.append((e["ts"] - end, e))
         end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
@@ -296,8 +293,8 @@ def bound_record(non_attention_ms: float, cudnn_attention_ms: float, density: fl
 
 # ---- the train step's runs compared ------------------------------------------------------------
 
-# Qwen2.5-0.5B at full depth (24 layers; issue 74: the reduced 8-layer model's LM head hid the
-# attention, 33-38% of its cuDNN-priced dense step), its heads, widths, vocabulary and RoPE
+# Qwen2.5-0.5B at full depth (24 layers: fewer let the LM head hide the attention), its heads,
+# widths, vocabulary and RoPE
 SHAPE = ["--num-layers", "24", "--hidden-size", "896", "--ffn-hidden-size", "4864",
          "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
          "--seq-length", "32768"]
@@ -396,8 +393,7 @@ def _tile_seconds(tile_us, data_name):
     costs = [(int(n), c) for n, c in tile_us.items() if "cudnn" in c and "varlen" in c]
     if not costs:
         return None
-    seq = 65536 if data_name.endswith("_64k") else 131072 if data_name.endswith("_128k") \
-        else 32768
+    seq = SEQUENCES.get(data_name, 32768)
     fit = [c for n, c in sorted(costs) if n <= seq] or [min(costs)[1]]
     return fit[-1]["varlen"] / 1e6, fit[-1]["cudnn"] / 1e6
 

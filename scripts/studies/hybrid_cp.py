@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -16,16 +17,6 @@ from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 
 from .common import MODELS, parser, write_result   # the same model shapes as sim_study
-
-
-class _Group:
-    """What ``BalancedCPScheduler`` asks of its process group."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def size(self) -> int:
-        return self.n
 
 
 def parse_args(argv=None):
@@ -48,7 +39,8 @@ def hybrid_step_s(seg_lengths, total_gpus: int, max_seqlen_per_rank: int, cost) 
     """One global batch under Megatron's hybrid CP: step seconds, groups, sub-samples."""
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-    sched = BalancedCPScheduler(max_seqlen_per_rank, _Group(total_gpus))
+    group = SimpleNamespace(size=lambda: total_gpus)     # all the scheduler asks of its group
+    sched = BalancedCPScheduler(max_seqlen_per_rank, group)
     samples = [(i, int(n)) for i, n in enumerate(seg_lengths)]
     groups, id_groups = sched.get_groups_and_subsamples(samples, None)
     length = dict(samples)

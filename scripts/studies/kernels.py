@@ -8,6 +8,7 @@ deadline and its rows written as measured.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -67,6 +68,15 @@ def add_row_args(ap) -> None:
                     help="start no row later than this many seconds minus a margin")
 
 
+def usable_backends(requested) -> tuple:
+    """The requested backends that can run on this machine's CUDA device, in order, and
+    {backend: why not} of the others (no CUDA device: every one)."""
+    from sparsebalance_megatron.attention.api import backend_missing
+    why = {b: backend_missing(b, "cuda") if torch.cuda.is_available()
+           else "it needs a CUDA device" for b in requested}
+    return [b for b in requested if why[b] is None], {b: w for b, w in why.items() if w}
+
+
 def parse_shape(text: str):
     """``'np/ng/hn'`` -> (query heads, KV heads, head dim)."""
     try:
@@ -93,11 +103,8 @@ class Case:
                                   .to(device, dtype).requires_grad_(True)
                                   for h in (self.nh, self.ng, self.ng))
         self.g = torch.randn(t, self.nh, self.hn, generator=gen).to(device, dtype)
-        bounds = [0]
-        for n in self.doc_lens:
-            bounds.append(bounds[-1] + n)
-        self.bounds = bounds
-        self.cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.bounds = [0, *itertools.accumulate(self.doc_lens)]
+        self.cu = torch.tensor(self.bounds, dtype=torch.int32, device=device)
         self.scale = self.hn ** -0.5
 
     @property
@@ -347,12 +354,9 @@ def summarize(rows):
                 and r["case"] == "single" and r["tokens"] == MIX_TOKENS]
         e = {}
         for b in sorted({r["backend"] for r in kern}):
-            per = {}
-            for r in (r for r in kern if r["backend"] == b):
-                p = per.setdefault(r["density"], {"fwd": 0.0, "bwd": 0.0})
-                p["fwd"] = max(p["fwd"], r.get("e_fwd", 0.0))
-                p["bwd"] = max(p["bwd"], r.get("e_bwd", 0.0))
-            fwd, bwd = min(p["fwd"] for p in per.values()), min(p["bwd"] for p in per.values())
+            mine = [r for r in kern if r["backend"] == b]      # per pass: the worst density
+            fwd, bwd = (min(max(r.get(f"e_{p}", 0.0) for r in mine if r["density"] == d)
+                            for d in {r["density"] for r in mine}) for p in ("fwd", "bwd"))
             e[b] = {"fwd": fwd, "bwd": bwd, "met": min(fwd, bwd) >= TARGET_E}
         s["e"] = e
         for key in ("select_ms", "select_gpu_ms", "select_host_ms"):
@@ -431,8 +435,8 @@ def call_prices(rows, shape=None) -> dict:
 def fixed_costs(rows, shape: str) -> dict:
     """{"backend variant case tokens": {"fwd": ms, "bwd": ms}}: each kernel's cost per call on
     one micro-batch, whatever its tiles: the call term of its price (``latency.sparse_call.
-    fit_price``, the simulator's fit, each pass apart) over that micro-batch's densities (run
-    5: 1.2-1.6 ms in FA4's backward). A kernel and micro-batch need three densities."""
+    fit_price``, the simulator's fit, each pass apart) over that micro-batch's densities. A
+    kernel and micro-batch need three densities."""
     from sparsebalance_megatron.latency.sparse_call import fit_price, price_rows
 
     priced = price_rows(rows, shape, kind="kernel")

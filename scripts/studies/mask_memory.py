@@ -17,17 +17,9 @@ HEADS = {"qwen2.5-0.5b (14q/2kv)": (14, 2), "32q/8kv": (32, 8)}
 
 
 def _bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def before_bytes(nb: int, nh: int, ng: int, bs: int) -> int:
-    return 4 * nh * nb * nb * 4 + 4 * nh * nb * 4 + ng * nb * nb + nb * bs * (8 + 1)
+    """Bytes of the storages under ``tensors``, each storage once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
 
 
 def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
@@ -39,7 +31,8 @@ def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
     m = mask_tensors(sel)
     per_layer = _bytes(m.values())
     per_mb = _bytes(_slot_tables(lay))
-    before = before_bytes(lay.num_blocks, nh, ng, bs)
+    nb = lay.num_blocks          # before: per-head, NB-wide lists (module docstring)
+    before = 4 * nh * nb * nb * 4 + 4 * nh * nb * 4 + ng * nb * nb + nb * bs * (8 + 1)
     return dict(seq_len=t, block_size=bs, heads=nh, kv_groups=ng, density=density,
                 num_blocks=lay.num_blocks, padded_blocks=lay.padded_blocks,
                 full_kv_width=int(m["full_kv_indices"].shape[-1]),

@@ -107,8 +107,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
     drafter = make_drafter(lm, sb, dp, seq)
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
-    parts, drafts, step_s, searched, stood, ranks = {}, [], [], [], [], []
-    whole = []
+    parts, drafts, whole, step_s, searched, stood, ranks = {}, [], [], [], [], [], []
     # the whole plan's drafts back to back (every rank's DST in one process: the step time the
     # shape is priced against, with the after-step work between, which moves the calibration),
     # then a DP rank's draft at each draft's calibration (``drafts.rank_step``: the critical

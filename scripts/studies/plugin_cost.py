@@ -8,17 +8,13 @@ import numpy as np
 from .common import parser, write_result
 
 PP = 4
-SHAPES = (("8 DP x PP 4 x 8 mb, 32K (the studies)", dict(dp=8, microbatches=8, pp=4,
-                                                         virtual_stages=4, seq_length=32768)),
-          ("32 DP x PP 4 x 8 mb, 32K (the studies)", dict(dp=32, microbatches=8, pp=4,
-                                                          virtual_stages=4, seq_length=32768)),
-          ("64 DP x 16 x PP 4, 32K (issue 44)", dict(dp=64, microbatches=16, pp=4,
-                                                     virtual_stages=4, seq_length=32768)),
-          ("DP 4 x PP 4 x 16, 32K (the paper's)", dict(dp=4, microbatches=16, pp=4,
-                                                       virtual_stages=4, seq_length=32768)),
-          ("1,024 GPUs: DP 32 x PP 4 x TP 8 x 16, 32K", dict(dp=32, microbatches=16, pp=4,
-                                                              virtual_stages=4,
-                                                              seq_length=32768, tp=8)))
+SEQ = 32768
+# (name, DP, micro-batches, TP): each at PP 4 with 4 virtual stages, 32K tokens a micro-batch
+SHAPES = (("8 DP x PP 4 x 8 mb, 32K (the studies)", 8, 8, 1),
+          ("32 DP x PP 4 x 8 mb, 32K (the studies)", 32, 8, 1),
+          ("64 DP x 16 x PP 4, 32K (issue 44)", 64, 16, 1),
+          ("DP 4 x PP 4 x 16, 32K (the paper's)", 4, 16, 1),
+          ("1,024 GPUs: DP 32 x PP 4 x TP 8 x 16, 32K", 32, 16, 8))
 
 
 def breakdown(cost, step_s=None) -> list:
@@ -27,8 +23,8 @@ def breakdown(cost, step_s=None) -> list:
     from sparsebalance_megatron.experiments.plugin_cost import Shape
 
     out = []
-    for name, kw in SHAPES:
-        shape = Shape(**kw)
+    for name, dp, m, tp in SHAPES:
+        shape = Shape(dp=dp, microbatches=m, pp=PP, virtual_stages=4, seq_length=SEQ, tp=tp)
         for planner in PLANNERS:
             ch = cost.charge(shape, sab=True, dst=True, planner=planner, stand_down=True)
             row = dict(shape=name, planner=planner, total_ms=ch.plan_s * 1e3,
@@ -49,13 +45,12 @@ def static_steps() -> dict:
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
     out = {}
-    for name, kw in SHAPES:
-        if kw.get("tp", 1) > 1:
+    for name, dp, m, tp in SHAPES:
+        if tp > 1:
             continue
-        c = corpus_steps(kw["dp"], kw["microbatches"], 0.5, 1, seq=kw["seq_length"],
-                         layout="even", pp=PP)
-        costs = UnitCosts.from_latency(c.lm, c.plans[0].unit_csr(with_padding=True), kw["dp"],
-                                       kw["microbatches"], np.array([0.5]))
+        c = corpus_steps(dp, m, 0.5, 1, seq=SEQ, layout="even", pp=PP)
+        costs = UnitCosts.from_latency(c.lm, c.plans[0].unit_csr(with_padding=True), dp, m,
+                                       np.array([0.5]))
         f, b = costs.at(np.zeros(costs.shape, dtype=np.int64))
         out[name] = float(pipeline_makespan_s(f, b, c.lm.p2p_s, pp=PP).max())
     return out

@@ -48,17 +48,13 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
     # what the search's SparseBalance runs used
     cfg = stand_down_config(cfg, best_static, found["static"], found["dense"])
     best_dense = found["dense"][0]
-
-    def best_of(choices, variant):     # each packing on its own best layout
-        return next(c for c in choices if c.variant == variant).layout
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
     plain_static = found["plain_static"]
-    runs = {"best_dense": (best_dense.variant, best_dense.layout),
-            **{v if v != "dense" else "dense_sequential": (v, best_of(found["dense"], v))
-               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")},
-            "dp_balanced": ("dp_balanced", best_of(found["static"], "dp_balanced")),
+    dp_balanced = next(c for c in found["static"] if c.variant == "dp_balanced")  # its best
+    runs = {**dense_packings(found),
+            "dp_balanced": ("dp_balanced", dp_balanced.layout),
             "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
             "best_plain_static": ("static", plain_static.layout),
@@ -104,6 +100,16 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
             "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}
 
 
+def dense_packings(found) -> dict:
+    """The best dense run and each dense packing on its own best layout, as ``run_study``
+    takes runs."""
+    best = found["dense"][0]
+    return {"best_dense": (best.variant, best.layout),
+            **{v if v != "dense" else "dense_sequential":
+               (v, next(c for c in found["dense"] if c.variant == v).layout)
+               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")}}
+
+
 def gain_parts(rows: dict) -> dict:
     """Which part of ``sab_dst``'s net speedup over the best static configuration is the layout,
     the packing, DST and the plugin's own cost: the best static configuration, then its packing
@@ -125,12 +131,9 @@ def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     t0 = time.perf_counter()
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, dense_only=True)
     search_s = time.perf_counter() - t0
-    cfg = stand_down_config(cfg, found["dense"][0], (), found["dense"])
     best_dense = found["dense"][0]
-    runs = {"best_dense": (best_dense.variant, best_dense.layout),
-            **{v if v != "dense" else "dense_sequential":
-               (v, next(c for c in found["dense"] if c.variant == v).layout)
-               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")}}
+    cfg = stand_down_config(cfg, best_dense, (), found["dense"])
+    runs = dense_packings(found)
     rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_dense")
     for r in rows.values():
         r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]

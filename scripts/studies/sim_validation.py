@@ -12,20 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import parser, torchrun, write_result
+from .common import ROOT, parser, torchrun, write_result
 
-REPO = Path(__file__).resolve().parents[2]
 P2P_S = 0.0          # the p2p latency given to the simulator (every documented run)
-ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
+ENTRY = os.path.join(ROOT, "examples", "pretrain_gpt_sparsebalance.py")
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:
-        i = argv.index("--")
-        own, rest = argv[:i], argv[i + 1:]
-    else:
-        own, rest = argv, []
+    i = argv.index("--") if "--" in argv else len(argv)      # the entry's flags after "--"
+    own, rest = argv[:i], argv[i + 1:]
     p = parser(__doc__, "sim_validation", json_required=True)
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args(own)
@@ -36,8 +32,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [*torchrun(args.nproc), str(ENTRY), *rest,
-               "--sb-metrics-file", str(metrics)]
+        cmd = [*torchrun(args.nproc), ENTRY, *rest, "--sb-metrics-file", str(metrics)]
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
             return proc.returncode
