@@ -1,7 +1,12 @@
 """Continued-training quality on CPU (issue 73): a dense-trained base continued under static
 sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched control) and
 static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
-fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md."""
+fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md.
+
+Each checkpoint is scored on the held-out documents one document at a time; ``--eval-jobs N``
+splits them into N contiguous shares scored at once (the parent and N - 1 spawned processes, one
+torch thread each), the rows gathered in document order, so the scores are those of one process.
+On this 2-core machine ``--eval-jobs 2`` halves the evaluation (QUALITY.md)."""
 
 from __future__ import annotations
 
