@@ -1,7 +1,12 @@
 """Continued-training quality on CPU (issue 73): a dense-trained base continued under static
 sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched control) and
 static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
-fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md."""
+fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md.
+
+Each checkpoint is scored on the held-out documents one document at a time; ``--eval-jobs N``
+splits them into N contiguous shares scored at once (the parent and N - 1 spawned processes, one
+torch thread each), the rows gathered in document order, so the scores are those of one process.
+On this 2-core machine ``--eval-jobs 2`` halves the evaluation (QUALITY.md)."""
 
 from __future__ import annotations
 
@@ -345,13 +350,12 @@ def equal_work(profile: list, lengths: list, args) -> list:
     return scaled_to_work(profile, work, len(profile) * work(args.density))
 
 
-def evaluate(args, ckpt: str, docs: list, readings) -> dict:
+def evaluate(args, ckpt: str, docs: list, readings, pool=None) -> dict:
     """Per reading (``reading_key``), the per-document scores and their means (``score_docs``).
     Scores are kept beside the checkpoint (``eval.json``, for these documents), so a rerun in
-    the same ``--out`` scores only readings it has not scored."""
+    the same ``--out`` scores only readings it has not scored. ``pool`` (``eval_pool``) scores
+    all but the first share of the documents in its processes."""
     import hashlib
-
-    from sparsebalance_megatron.config import SparseBalanceConfig
 
     path = os.path.join(os.path.dirname(ckpt), "eval.json")
     digest = hashlib.sha256(json.dumps([[d["ids"], d["answer_positions"]] for d in docs])
@@ -363,17 +367,7 @@ def evaluate(args, ckpt: str, docs: list, readings) -> dict:
         saved = got["scores"] if got.get("documents") == digest else {}
     out = {reading_key(r): saved[reading_key(r)] for r in readings if reading_key(r) in saved}
     todo = [r for r in readings if reading_key(r) not in out]
-    if todo:
-        sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
-                                 block_size=args.block_size, attention_backend="torch",
-                                 dense_below_tokens="0")
-        model = load_model(args, ckpt, sb)
-        budget = model.decoder.layers[0].self_attention.core_attention.budget
-    for reading in todo:
-        uniform = isinstance(reading, (int, float))
-        sb.density = budget.default_density = reading if uniform else args.density
-        budget.set_layer_densities(None if uniform else dict(enumerate(reading, start=1)))
-        rows = score_docs(model, budget, docs)
+    for reading, rows in zip(todo, scored(args, ckpt, docs, todo, pool)):
         out[reading_key(reading)] = {
             "heldout_loss": sum(r["nll"] for r in rows) / sum(r["tokens"] for r in rows),
             **{k: sum(r[k] for r in rows) / len(rows)
@@ -382,6 +376,80 @@ def evaluate(args, ckpt: str, docs: list, readings) -> dict:
         with open(path, "w") as f:
             json.dump({"documents": digest, "scores": {**saved, **out}}, f)
     return out
+
+
+def score_readings(args, ckpt: str, docs: list, readings):
+    """Per reading in turn, ``score_docs``' rows of ``docs`` on the checkpoint ``ckpt`` (loaded
+    once, before the first)."""
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    if not readings:
+        return
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, attention_backend="torch",
+                             dense_below_tokens="0")
+    model = load_model(args, ckpt, sb)
+    budget = model.decoder.layers[0].self_attention.core_attention.budget
+    for reading in readings:
+        uniform = isinstance(reading, (int, float))
+        sb.density = budget.default_density = reading if uniform else args.density
+        budget.set_layer_densities(None if uniform else dict(enumerate(reading, start=1)))
+        yield score_docs(model, budget, docs)
+
+
+def scored(args, ckpt: str, docs: list, readings: list, pool=None):
+    """``score_readings`` of every document, in document order: here alone (no ``pool``), or
+    the first of ``--eval-jobs`` contiguous shares here while ``pool`` scores the others."""
+    if pool is None:
+        yield from score_readings(args, ckpt, docs, readings)
+        return
+    cuts = share_bounds([len(d["ids"]) for d in docs], args.eval_jobs)
+    pending = [pool.submit(score_share, args, ckpt, docs[a:b], readings)
+               for a, b in zip(cuts[1:-1], cuts[2:])]
+    parts = [score_share(args, ckpt, docs[:cuts[1]], readings)] + [p.result() for p in pending]
+    for j in range(len(readings)):
+        yield [row for part in parts for row in part[j]]
+
+
+def score_share(args, ckpt: str, docs: list, readings: list) -> list:
+    """``score_readings`` at once: one share's task, in the parent or a pool's process."""
+    return list(score_readings(args, ckpt, docs, readings))
+
+
+def share_bounds(lengths: list, n: int) -> list:
+    """``n`` + 1 cut points splitting documents of ``lengths`` into ``n`` contiguous shares of
+    about equal tokens (the first share from ``0``, the last to ``len(lengths)``)."""
+    import bisect
+    import itertools
+
+    cum = list(itertools.accumulate(lengths))
+    total = cum[-1] if cum else 0
+    return [0, *(bisect.bisect_left(cum, total * k / n) + 1 if total else 0
+                 for k in range(1, n)), len(lengths)]
+
+
+def eval_pool(args):
+    """``--eval-jobs`` N > 1: N - 1 spawned processes (each its own one-process group and one
+    torch thread, as the parent's evaluation) for ``evaluate``'s other shares; else no pool.
+    Spawned, not forked: the parent's process group does not survive a fork."""
+    import contextlib
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if args.eval_jobs == 1:
+        return contextlib.nullcontext()
+    return ProcessPoolExecutor(args.eval_jobs - 1, multiprocessing.get_context("spawn"),
+                               initializer=init_eval_process)
+
+
+def init_eval_process() -> None:
+    """An evaluating process's state: one torch thread (the study's evaluation always ran at
+    one; N processes share the cores) and a one-process group for ``load_model``'s read."""
+    import torch
+
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
+    torch.set_num_threads(1)
+    init_single_process()
 
 
 def parse_args(argv=None):
@@ -412,6 +480,9 @@ def parse_args(argv=None):
                     help="the base's shortest document (17: three needles and their query "
                          "alone, the shortest teach the lookup first)")
     ap.add_argument("--table", choices=("analytic", "profile"), default="profile")
+    ap.add_argument("--eval-jobs", type=int, default=1, metavar="N",
+                    help="processes scoring each checkpoint's held-out documents, each a "
+                         "contiguous share (the scores are those of one process)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 256 tokens, block 8, 3 base and 2 continued steps, 1 "
                          "seed, 8 held-out documents (what the test runs)")
@@ -426,6 +497,8 @@ def parse_args(argv=None):
         args.seeds = args.seeds or [1]
         args.pilot = args.margin_from is None
     check_pilot(ap, args)
+    if args.eval_jobs < 1:
+        ap.error(f"--eval-jobs {args.eval_jobs}: expected a count of processes >= 1")
     if args.pipeline < 1 or args.num_layers % args.pipeline:
         ap.error(f"--pipeline {args.pipeline}: expected a positive divisor of --num-layers "
                  f"{args.num_layers} (each stage the same number of layers)")
@@ -651,39 +724,37 @@ def main(argv=None) -> int:
         d_eval.update(matched=d_m, sparse_balance=d_m)
         d_train["matched"] = d_m
         train_arm("matched", f"matched{d_m:.4f}")   # named by density: other seeds, another
-    import torch
-
-    from sparsebalance_megatron.megatron.launch.profile import init_single_process
-    torch.set_num_threads(1)
-    init_single_process()
-    runs = {"base": {"eval": evaluate(args, os.path.join(base, "ckpt"), docs,
-                                      [1.0, args.density])}}
-    lengths = [len(d["ids"]) for d in docs]
-    summaries = {key: train_summary(rows, args.block_size, d_train[key[0]])
-                 for key, rows in train.items()}
-    profiles = {}                       # per seed DST's trained profile, raw and at d0's work
-    for (arm, s), summary in summaries.items():
-        if arm == "sparse_balance" and summary.get("doc_planned_per_stage"):
-            raw = trained_profile(summary, args)
-            profiles[s] = {"trained_profile": raw,
-                           "equal_work_profile": equal_work(raw, lengths, args)}
-    for (arm, s), summary in summaries.items():
-        run = runs.setdefault(arm, {})[str(s)] = {
-            "train": {k: v for k, v in summary.items() if k not in ("tokens", "train_losses")},
-            "eval_density": d_eval[arm]}
-        readings = [d_eval[arm], 1.0]
-        if arm == "sparse_balance" and s in profiles:
-            run.update(profiles[s])
-            readings += [args.density, *profiles[s].values()]
-        elif arm == "static" and s in profiles:     # the same seed's profile on a static network
-            run["equal_work_profile"] = profiles[s]["equal_work_profile"]
-            readings.append(run["equal_work_profile"])
-        run["eval"] = evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
-                               list({reading_key(r): r for r in readings}.values()))
-        print(f"evaluated {arm} seed {s}: " + ", ".join(
-            f"d {d}: answer NLL {e['answer_nll']:.4f} token acc {e['token_accuracy']:.3f} "
-            f"loss {e['heldout_loss']:.4f}" for d, e in runs[arm][str(s)]["eval"].items()),
-            flush=True)
+    init_eval_process()
+    with eval_pool(args) as pool:
+        runs = {"base": {"eval": evaluate(args, os.path.join(base, "ckpt"), docs,
+                                          [1.0, args.density], pool)}}
+        lengths = [len(d["ids"]) for d in docs]
+        summaries = {key: train_summary(rows, args.block_size, d_train[key[0]])
+                     for key, rows in train.items()}
+        profiles = {}                       # per seed DST's trained profile, raw and at d0's work
+        for (arm, s), summary in summaries.items():
+            if arm == "sparse_balance" and summary.get("doc_planned_per_stage"):
+                raw = trained_profile(summary, args)
+                profiles[s] = {"trained_profile": raw,
+                               "equal_work_profile": equal_work(raw, lengths, args)}
+        for (arm, s), summary in summaries.items():
+            run = runs.setdefault(arm, {})[str(s)] = {
+                "train": {k: v for k, v in summary.items()
+                          if k not in ("tokens", "train_losses")},
+                "eval_density": d_eval[arm]}
+            readings = [d_eval[arm], 1.0]
+            if arm == "sparse_balance" and s in profiles:
+                run.update(profiles[s])
+                readings += [args.density, *profiles[s].values()]
+            elif arm == "static" and s in profiles:   # the same seed's profile, static network
+                run["equal_work_profile"] = profiles[s]["equal_work_profile"]
+                readings.append(run["equal_work_profile"])
+            run["eval"] = evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
+                                   list({reading_key(r): r for r in readings}.values()), pool)
+            print(f"evaluated {arm} seed {s}: " + ", ".join(
+                f"d {d}: answer NLL {e['answer_nll']:.4f} token acc {e['token_accuracy']:.3f} "
+                f"loss {e['heldout_loss']:.4f}" for d, e in runs[arm][str(s)]["eval"].items()),
+                flush=True)
     doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
            "arms": {a: {"flags": ARMS[a], "eval_density": d_eval.get(a)} for a in runs
                     if a != "base"},

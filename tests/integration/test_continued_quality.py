@@ -1,8 +1,9 @@
 """The continued-training quality study's quick form (issue 73, ``scripts/bench.py
-continued_quality --quick``): the pilot (base, static, control) writes its margin; the main form
-reads it, keeps the pilot's checkpoints, trains the other arms and the matched arm under a name
-that carries its density (other seeds give another density: no stale run is reused), and states
-a verdict. What the numbers say is not checked: two steps learn nothing."""
+continued_quality --quick``): the pilot (base, static, control) writes its margin, and scored
+again at ``--eval-jobs 2`` gives the same scores; the main form reads the margin, keeps the
+pilot's checkpoints, trains the other arms and the matched arm under a name that carries its
+density (other seeds give another density: no stale run is reused), and states a verdict. What
+the numbers say is not checked: two steps learn nothing."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ def study(*argv) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow   # about 90 s: seven short pretrain() runs
+@pytest.mark.slow   # about 2 min: seven short pretrain() runs, the pilot evaluated twice
 def test_quick_pilot_then_main_run(tmp_path):
     out, pilot, main = tmp_path / "runs", tmp_path / "pilot.json", tmp_path / "main.json"
     study("--out", str(out), "--json", str(pilot))
     p = json.loads(pilot.read_text())
     assert p["config"]["pilot"] and set(p["runs"]) == {"base", "static", "control"}
     assert set(p["margin"]) == {"answer_nll", "heldout_loss"}
+    for scores in out.glob("*/eval.json"):      # the checkpoints kept, scored again in 2
+        scores.unlink()
+    study("--out", str(out), "--json", str(tmp_path / "pilot2.json"), "--eval-jobs", "2")
+    p2 = json.loads((tmp_path / "pilot2.json").read_text())
+    assert json.dumps(p2["runs"]) == json.dumps(p["runs"]) and p2["means"] == p["means"]
     if not any(p["margin"].values()):
         pytest.skip("the quick pilot's control did no harm: no margin to run the main form with")
     log = study("--out", str(out), "--margin-from", str(pilot), "--json", str(main))

@@ -388,3 +388,50 @@ def test_a_failed_shard_is_named_with_its_exit_code_after_every_child_is_waited_
         smollm2.wait_shards(children, 4)
     assert all(c.waited for _, c in children)
     smollm2.wait_shards([(1, Child(0))], 2)                 # all done: no stop
+
+
+def test_eval_jobs_split_the_documents_and_gather_them_in_order(tmp_path, monkeypatch):
+    """``--eval-jobs 3``: three contiguous shares of about equal tokens, each loading the
+    checkpoint once and scoring every reading; the rows gathered in document order give the
+    scores and means of one process (the pool here threads, the study's spawns processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert cq.share_bounds([10, 10, 10, 10, 10, 10], 3) == [0, 2, 4, 6]
+    assert cq.share_bounds([100, 1, 1, 1, 100], 2) == [0, 3, 5]     # 102 and 101 tokens
+    assert cq.share_bounds([5], 2) == [0, 1, 1]                     # a share may be empty
+    args = cq.parse_args(["--out", "x", "--margin-from", "p.json", "--eval-jobs", "3"])
+    loads = []
+
+    def load(_args, _ckpt, sb):
+        budget = SimpleNamespace(default_density=None, layer_densities=None)
+        budget.set_layer_densities = lambda d: setattr(budget, "layer_densities", d)
+        loads.append(budget)
+        return SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(
+            self_attention=SimpleNamespace(core_attention=SimpleNamespace(budget=budget)))]))
+
+    def score(_model, b, docs):        # a row that depends on the document and the reading
+        d = b.default_density + sum((b.layer_densities or {}).values())
+        return [{"nll": len(x["ids"]) * d / 7, "tokens": len(x["ids"]) - 1,
+                 "answer_nll": x["ids"][0] * d / 3, "exact": float(x["ids"][0] % 2),
+                 "token_accuracy": x["ids"][0] % 3 / 2, "kept": d / 11} for x in docs]
+    monkeypatch.setattr(cq, "load_model", load)
+    monkeypatch.setattr(cq, "score_docs", score)
+    rng = random.Random(1)
+    docs = [{"ids": [i] * rng.randint(3, 40), "answer_positions": [2]} for i in range(13)]
+    readings = [0.5, [0.6, 0.4], 1.0]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "three").mkdir()
+    one = cq.evaluate(args, str(tmp_path / "one" / "ckpt"), docs, readings)
+    assert len(loads) == 1
+    with ThreadPoolExecutor(2) as pool:
+        three = cq.evaluate(args, str(tmp_path / "three" / "ckpt"), docs, readings, pool)
+    assert len(loads) == 4                                  # once in each of the 3 shares
+    assert json.dumps(three) == json.dumps(one)             # rows in order: the same floats
+    assert [len(v["per_sample_answer_nll"]) for v in one.values()] == [13] * 3
+
+
+def test_eval_jobs_below_one_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        cq.parse_args(["--out", "x", "--pilot", "--eval-jobs", "0"])
+    assert "--eval-jobs 0: expected a count of processes >= 1" in capsys.readouterr().err
+    assert cq.parse_args(["--out", "x", "--pilot"]).eval_jobs == 1
