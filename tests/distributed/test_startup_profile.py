@@ -2,10 +2,11 @@
 
 Cheap form (2 gloo processes, seconds): the job's process group has a 2 s timeout and rank 0's
 profile takes 5 s; rank 1 waits on the profile's own group, prints progress, and gets rank 0's
-table, where the former barrier times out (``Timed out waiting``: the control, 2.5 s). A failing
-profile stops the waiting rank at once with rank 0's message. Slow form (SB_SLOW_TESTS=1): the README job at
-``--seq-length 4096`` with an empty latency cache and ``--distributed-timeout-minutes 1``
-trains, and a run killed while profiling resumes the profile on its retry.
+table, where the former barrier times out (``Timed out waiting``: the control, a 5 s profile
+begun once rank 1 is at the barrier). A failing profile stops the waiting rank at once with rank
+0's message. Slow form (SB_SLOW_TESTS=1): the README job at ``--seq-length 4096`` with an empty
+latency cache and ``--distributed-timeout-minutes 1`` trains, and a run killed while profiling
+resumes the profile on its retry.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
         path = str(out / f"lat_{mode}.json")
 
         def profile(mode=mode, path=path):
-            time.sleep(PROFILE_S if mode == "shared" else JOB_TIMEOUT_S + 0.5)
+            time.sleep(JOB_TIMEOUT_S + 0.5 if mode == "fail" else PROFILE_S)
             if mode == "fail":
                 raise SystemExit("error: latency profiling failed: injected")
             Path(path).write_text('{"table": 1}\n')
@@ -66,8 +67,15 @@ def _rank_main(rank: int, out_dir: str) -> None:
         result = {}
         try:
             if mode == "barrier":       # what load_latency_model did before: a barrier
+                # Rank 0 profiles once rank 1 is at the barrier (the launcher's store says so):
+                # rank 1 leaves the failed mode up to seconds after rank 0 on a loaded machine
+                # (3.5 s once beside busy loops), and a profile begun that much earlier ended
+                # within the job's timeout of rank 1's arrival: the barrier passed.
                 if rank == 0:
+                    store.wait(["control"])
                     profile()
+                else:
+                    store.set("control", "at the barrier")
                 dist.barrier()
                 got = Path(path).read_bytes()
             else:

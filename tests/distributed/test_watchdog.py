@@ -4,8 +4,9 @@ show its Python stack, and the job must end well before the distributed timeout.
 
 The cheap form (normal suite; 16-19 s each at load average 2.5 on 2 cores, 25-55 s at 25-30): a
 two- or three-rank torchrun job of ``watchdog_worker.py`` (all-reduces, no Megatron, a 300 s
-timeout) with a 4 s threshold: the rank is named within the threshold + 10 s (the healthy run on
-the suite's forked ranks: it reads nothing of torchrun's). The full form
+timeout) with a 4 s threshold: the rank is named within the threshold + 10 s and the job ends
+within 2 minutes, well before that timeout (the healthy run on the suite's forked ranks: it reads
+nothing of torchrun's). The full form
 (slow, 2-3 minutes each): Megatron's own loop at PP=2 x DP=2 with ``--distributed-timeout-minutes
 1`` and the automatic threshold, the target as the issue states it: the job ends within the
 user's timeout + 10 s. The fault comes from outside the watchdog: a signal from the test, or
@@ -30,9 +31,12 @@ pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("watchdog_worker.py")
 THRESHOLD_S = 4
-# The cheap form's bound on the job's end: torchrun's teardown of three processes takes seconds
-# on a loaded 2-core machine; what it guards against is the 300 s timeout.
-CHEAP_BOUND_S = THRESHOLD_S + 25
+# The cheap form's bound on the job's end, from the fault's line: what it guards against is the
+# worker's 300 s timeout (a job the watchdog does not end lasts that long, or until _worker kills it
+# at 240 s). The rest is torchrun's teardown of fresh processes, which a loaded machine stretches:
+# 29.3 s once beside four busy loops (the exited rank named in 0.1 s), past the former bound of
+# the threshold + 25 s; 120 s is four times that and under half the timeout.
+CHEAP_BOUND_S = 120
 TIMEOUT_MIN = 1          # the full form's distributed timeout
 
 
@@ -101,8 +105,8 @@ def _named(out: str, kind: str, rank: int = 1) -> bool:
 @pytest.mark.reliability(area="hung rank", case="SIGSTOP on rank 1 of 2 (gloo, threshold "
                          f"{THRESHOLD_S} s; `torchrun --nproc_per_node=2 "
                          "tests/distributed/watchdog_worker.py stop 4`, SIGSTOP from the test)",
-                         expect="rank 1 named as stopped with its last stack and killed; the "
-                         "job ends within the threshold + 10 s")
+                         expect="rank 1 named as stopped with its last stack and killed within "
+                         "the threshold + 10 s; the job ends within 2 minutes")
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     out, rc, after, named = _worker(tmp_path, "stop")
     assert rc != 0 and after is not None, out[-3000:]
@@ -115,7 +119,8 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
 @pytest.mark.reliability(area="hung rank", case="rank 1 of 3 sleeps forever (`torchrun "
                          "--nproc_per_node=3 tests/distributed/watchdog_worker.py sleep 4`)",
                          expect="rank 1 named as stalled with its stack (the sleeping line); "
-                         "it ends itself; the job ends within the threshold + 10 s")
+                         "it ends itself, within the threshold + 10 s; the job ends within 2 "
+                         "minutes")
 def test_a_sleeping_rank_is_named_with_its_stack(tmp_path):
     out, rc, after, named = _worker(tmp_path, "sleep", nproc=3)
     assert rc != 0 and after is not None, out[-3000:]
@@ -128,8 +133,8 @@ def test_a_sleeping_rank_is_named_with_its_stack(tmp_path):
 
 @pytest.mark.reliability(area="hung rank", case="rank 1 of 2 leaves with os._exit(0) (`torchrun "
                          "--nproc_per_node=2 tests/distributed/watchdog_worker.py exit 4`)",
-                         expect="rank 1 named as exited; the job ends within the threshold + "
-                         "10 s")
+                         expect="rank 1 named as exited within the threshold + 10 s; the job "
+                         "ends within 2 minutes")
 def test_a_rank_that_exits_early_is_named(tmp_path):
     out, rc, after, named = _worker(tmp_path, "exit")
     assert rc != 0 and after is not None, out[-3000:]
