@@ -55,6 +55,29 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL to ``pid`` and every process under it: torchrun starts each rank in a session of
+    its own, so a rank outlives torchrun's kill, holds the output pipe open, and the test would
+    wait for it instead of failing at its limit."""
+    children: dict = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _launch(nproc: int, script: Path, args: list, cwd: Path, fault_line: str, *,
             stop: bool = False, limit_s: float = 600):
     """torchrun ``script``; returns (output, return code, seconds from the first line containing
@@ -66,7 +89,7 @@ def _launch(nproc: int, script: Path, args: list, cwd: Path, fault_line: str, *,
            f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    timer = threading.Timer(limit_s, proc.kill)
+    timer = threading.Timer(limit_s, _kill_tree, (proc.pid,))
     timer.start()
     lines, fault_at, named_at = [], None, None
     try:
