@@ -14,7 +14,8 @@ import sys
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _children(pid: int) -> set:
+def children_of(pid: int) -> set:
+    """The pids whose parent is ``pid`` (also tests/distributed/test_watchdog.py's)."""
     out = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -37,7 +38,7 @@ if __name__ == "__main__":
     for out in proc.stdout:
         sys.stdout.write(out)
         if not killed and line in out:
-            workers = _children(proc.pid)
+            workers = children_of(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)
             killed = True
             print("[test] torchrun killed (SIGKILL)", flush=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ENTRY, TINY_MODEL, run_entry
+from tests.distributed.launcher_killer import children_of
 
 pytestmark = pytest.mark.distributed
 
@@ -42,16 +43,12 @@ TIMEOUT_MIN = 1          # the full form's distributed timeout
 
 def _rank_pid(launcher_pid: int, rank: int) -> int:
     """The pid of torchrun's worker with global rank ``rank`` (its child whose RANK is that)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in children_of(launcher_pid):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
             continue
-        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
-            return int(entry.name)
     raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
 
 
@@ -59,19 +56,10 @@ def _kill_tree(pid: int) -> None:
     """SIGKILL to ``pid`` and every process under it: torchrun starts each rank in a session of
     its own, so a rank outlives torchrun's kill, holds the output pipe open, and the test would
     wait for it instead of failing at its limit."""
-    children: dict = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
     todo = [pid]
     while todo:
         p = todo.pop()
-        todo += children.get(p, [])
+        todo += children_of(p)
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
