@@ -725,6 +725,7 @@ def main(argv=None) -> int:
         d_train["matched"] = d_m
         train_arm("matched", f"matched{d_m:.4f}")   # named by density: other seeds, another
     init_eval_process()
+    t_eval = time.perf_counter()
     with eval_pool(args) as pool:
         runs = {"base": {"eval": evaluate(args, os.path.join(base, "ckpt"), docs,
                                           [1.0, args.density], pool)}}
@@ -760,7 +761,8 @@ def main(argv=None) -> int:
                     if a != "base"},
            "chance": {"token_accuracy": 1 / len(ALPHABETS[0]),
                       "exact": len(ALPHABETS[0]) ** -args.needles},
-           "runs": runs, "train_wall_s": walls}
+           "runs": runs, "train_wall_s": walls,
+           "eval_wall_s": round(time.perf_counter() - t_eval, 1)}   # scoring, pool start included
     doc.update(summarize(doc, args))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     write_result(args.json, doc)
