@@ -274,7 +274,7 @@ def main(argv=None) -> int:
                                f" eq {s['equal_time_density']:.3f}"
                                for k, s in enumerate(p["steps"]))
         for lay, p in planned["layouts"].items()), flush=True)
-    got = smollm2.measure(args, jobs, samples, smollm2.Cache(args.cache))
+    got, = smollm2.measure(args, (jobs, samples, smollm2.Cache(args.cache)))
     if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done")
         return 0

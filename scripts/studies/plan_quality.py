@@ -83,7 +83,7 @@ def calibrate(args) -> int:
     jobs = [(i, v) for i in range(len(samples)) for v in CALIBRATION]
     print(f"{len(samples)} calibration samples x {len(CALIBRATION)} vectors = {len(jobs)} "
           f"forwards (cache {args.cache})", flush=True)
-    rows = measure(args, jobs, samples, Cache(args.cache))
+    rows, = measure(args, (jobs, samples, Cache(args.cache)))
     if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done")
         return 0
@@ -297,10 +297,10 @@ def refresh_counts(n: int) -> list:
     return [k for k in (1, 2, 4, 8, 16, 32) if k < n] + [n]
 
 
-def measure_refresh(args, cost) -> tuple:
-    """--refresh: the probe's forwards on fresh held-out micro-batches (micro-batch by
-    micro-batch, so a run stopped part-way has the first ones whole); (its report [per count
-    of micro-batches], {name: scales})."""
+def refresh_task(args) -> tuple:
+    """--refresh: the probe's forwards on fresh held-out micro-batches, micro-batch by
+    micro-batch (a run stopped part-way has the first ones whole): ``(jobs, samples, cache)``
+    for ``measure`` and the micro-batches (lists of sample indices)."""
     enc = smollm2.encoder(smollm2.tokenizer())
     seq = QUICK_SEQ if args.quick else SEQ
     n = (seq // args.lengths[0] + 1) * (args.refresh_microbatches + 1)
@@ -311,9 +311,15 @@ def measure_refresh(args, cost) -> tuple:
     jobs = [(i, v) for mb in bins for i in mb for v in vectors]
     print(f"refresh: {len(bins)} held-out micro-batches of {sum(map(len, bins))} documents, "
           f"{len(jobs)} forwards (cache {args.refresh_cache})", flush=True)
-    got = measure(args, jobs, samples, Cache(args.refresh_cache))
-    if args.shard[1] > 1:
-        return None, None
+    return (jobs, samples, Cache(args.refresh_cache)), bins
+
+
+def refresh_report(args, cost, task: tuple, bins: list, got: list) -> tuple:
+    """The refreshes made of the first 1, 2, 4, ... held-out micro-batches' forwards ``got``
+    (``task``'s rows): (the report [per count of micro-batches], {name: scales})."""
+    jobs, samples, _ = task
+    lengths = [smollm2.tokens(s) + 1 for s in samples]
+    vectors = refresh_vectors(args.density)
     rows = {(i, tuple(v)): r for (i, v), r in zip(jobs, got)}
     report, found = [], {}
     for k in refresh_counts(len(bins)):
@@ -346,7 +352,9 @@ def validate(args) -> int:
             if v in (REFERENCE, *MENU) or any(p.get(i) == v for _, p, _ in own)]
     print(f"{len(samples)} held-out samples, {len(checked) + len(own)} plans, {len(jobs)} "
           f"forwards (cache {args.cache})", flush=True)
-    got = measure(args, jobs, samples, Cache(args.cache))
+    refresh, bins = refresh_task(args) if args.refresh else (None, None)
+    got, *refresh_got = measure(args, (jobs, samples, Cache(args.cache)),
+                                *([refresh] if refresh else []))
     if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done")
         return 0
@@ -356,10 +364,7 @@ def validate(args) -> int:
     models = {"fitted": predictor(model, args.density, layers)}
     refreshed = {}
     if args.refresh:
-        refresh_report, refreshed = measure_refresh(args, model)
-        if refresh_report is None:
-            print(f"shard {args.shard[0]}/{args.shard[1]} done")
-            return 0
+        report, refreshed = refresh_report(args, model, refresh, bins, refresh_got[0])
         models.update(refreshed_models(args.model, refreshed, args.density, layers))
     calib = [r for r in Cache(args.calibration_cache).rows.values()] \
         if os.path.exists(args.calibration_cache) else []
@@ -391,7 +396,7 @@ def validate(args) -> int:
            if any("within" in r for r in scored) else None,
            "plans": scored, "rows": got}
     if args.refresh:
-        doc["refresh"] = {"seed_base": REFRESH_SEED_BASE, "by_microbatches": refresh_report,
+        doc["refresh"] = {"seed_base": REFRESH_SEED_BASE, "by_microbatches": report,
                           "launch_model": "fitted", "models": refreshed}
     write_result(args.json, doc)
     for k, m in result.items():

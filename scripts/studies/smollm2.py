@@ -328,14 +328,15 @@ class Cache:
             f.write(json.dumps(row) + "\n")
 
 
-def start_shards(args, cache: Cache) -> list:
+def start_shards(args, caches: list) -> list:
     """``--jobs N``: the children making shards 1/N .. N-1/N, each this run's own command
     (``scripts/bench.py`` with the same arguments, environment and directory) with ``--shard``
     and the threads ``parse`` chose."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
     n = args.jobs
     print(f"--jobs {n}: shard 0/{n} here, {', '.join(f'{k}/{n}' for k in range(1, n))} in "
-          f"children, {args.threads} torch thread(s) each, cache {cache.path}", flush=True)
+          f"children, {args.threads} torch thread(s) each, cache "
+          f"{', '.join(c.path for c in caches)}", flush=True)
     return [(k, subprocess.Popen([sys.executable, bench, args.study, *args.argv, "--jobs", "1",
                                   "--shard", f"{k}/{n}", "--threads", str(args.threads)]))
             for k in range(1, n)]
@@ -351,50 +352,56 @@ def wait_shards(children: list, n: int) -> None:
                          "command again to resume)")
 
 
-def measure(args, jobs: list, samples: list, cache: Cache) -> list:
-    """Every (sample index, group vector) of ``jobs`` scored (from the cache where it is there):
-    its rows, in ``jobs``' order; with ``--shard K/N`` only every N-th job from the K-th (the
-    others' rows where the cache has them); with ``--jobs N`` shard 0/N here beside the
-    children's, then every row as without it. The model is loaded only if a forward is missing."""
+def measure(args, *tasks: tuple) -> list:
+    """Every (sample index, group vector) of each task's ``jobs`` scored, a task being ``(jobs,
+    samples, cache)`` (from the cache where it is there): one list of rows a task, in its jobs'
+    order; with ``--shard K/N`` only every N-th job of each task from the K-th (the others' rows
+    where the caches have them); with ``--jobs N`` shard 0/N here beside the children's (the same
+    command: they make their shards of every task), then every row as without it. The model is
+    loaded once, and only if a forward is missing."""
     if args.jobs > 1:
-        children = start_shards(args, cache)
+        children = start_shards(args, [cache for _, _, cache in tasks])
         try:
-            measure_shard(args, jobs, samples, cache, (0, args.jobs))
+            measure_shard(args, tasks, (0, args.jobs))
         except BaseException:
             for _, p in children:
                 p.terminate()
                 p.wait()
             raise
         wait_shards(children, args.jobs)
-    return measure_shard(args, jobs, samples, cache, args.shard)
+    return measure_shard(args, tasks, args.shard)
 
 
-def measure_shard(args, jobs: list, samples: list, cache: Cache, shard_of: tuple) -> list:
-    """``measure``'s rows of shard ``shard_of`` (K, N): the jobs the cache lacks made only for
-    every N-th job from the K-th."""
+def measure_shard(args, tasks: tuple, shard_of: tuple) -> list:
+    """``measure``'s rows of shard ``shard_of`` (K, N): the jobs the caches lack made only for
+    every N-th job of a task from the K-th."""
     model = None
     k, n_shards = shard_of
     out, t0, made = [], time.perf_counter(), 0
-    for n, (i, vec) in enumerate(jobs):
-        s = samples[i]
-        row = cache.get(key(s), vec)
-        if row is None and n % n_shards != k:
-            continue
-        if row is None:
-            if model is None:
-                model, budget, _, a = load(args.density, args.block_size, args.layers,
-                                           args.threads)
-                t0 = time.perf_counter()
-            t1 = time.perf_counter()
-            res = score(model, budget, s, layer_densities(vec, a.num_layers), args.loss_stride)
-            row = {"sample": key(s), "vector": list(vec), "kind": s.task,
-                   "length": s.length, "tokens": tokens(s), **res,
-                   "seconds": round(time.perf_counter() - t1, 2)}
-            cache.put(row)
-            made += 1
-            if made % 10 == 0 or n + 1 == len(jobs):
-                rate = (time.perf_counter() - t0) / made
-                print(f"[{n + 1}/{len(jobs)}] {made} forwards, {rate:.1f} s each, "
-                      f"~{rate * (len(jobs) - n - 1) / 60:.0f} min left", flush=True)
-        out.append(row)
+    for jobs, samples, cache in tasks:
+        rows = []
+        for n, (i, vec) in enumerate(jobs):
+            s = samples[i]
+            row = cache.get(key(s), vec)
+            if row is None and n % n_shards != k:
+                continue
+            if row is None:
+                if model is None:
+                    model, budget, _, a = load(args.density, args.block_size, args.layers,
+                                               args.threads)
+                    t0 = time.perf_counter()
+                t1 = time.perf_counter()
+                res = score(model, budget, s, layer_densities(vec, a.num_layers),
+                            args.loss_stride)
+                row = {"sample": key(s), "vector": list(vec), "kind": s.task,
+                       "length": s.length, "tokens": tokens(s), **res,
+                       "seconds": round(time.perf_counter() - t1, 2)}
+                cache.put(row)
+                made += 1
+                if made % 10 == 0 or n + 1 == len(jobs):
+                    rate = (time.perf_counter() - t0) / made
+                    print(f"[{n + 1}/{len(jobs)}] {made} forwards, {rate:.1f} s each, "
+                          f"~{rate * (len(jobs) - n - 1) / 60:.0f} min left", flush=True)
+            rows.append(row)
+        out.append(rows)
     return out

@@ -435,3 +435,64 @@ def test_eval_jobs_below_one_is_refused_before_any_work(capsys):
         cq.parse_args(["--out", "x", "--pilot", "--eval-jobs", "0"])
     assert "--eval-jobs 0: expected a count of processes >= 1" in capsys.readouterr().err
     assert cq.parse_args(["--out", "x", "--pilot"]).eval_jobs == 1
+
+
+def test_a_shard_makes_its_part_of_every_task_and_loads_the_model_once(tmp_path, monkeypatch):
+    """``smollm2.measure`` of two tasks at ``--shard 1/2`` (a ``--jobs 2`` child of
+    ``plan_quality --validate --refresh``): every second job of EACH task from the first, the
+    model loaded once for both (the other shard's jobs left to it); then the summary's pass:
+    every row, the shard's read from the caches."""
+    from studies import smollm2
+
+    loads, scored = [], []
+    monkeypatch.setattr(smollm2, "load", lambda *a: loads.append(a) or (
+        "model", "budget", None, SimpleNamespace(num_layers=2)))
+
+    def score(model, budget, s, dens, stride):
+        scored.append((s.seed, tuple(dens)))
+        return {"loss": float(s.seed), "tokens": 3}
+    monkeypatch.setattr(smollm2, "score", score)
+
+    def sample(seed):
+        return SimpleNamespace(task="t", length=8, depth=0.5, seed=seed, input_ids=[1, 2],
+                               answer_ids=[3, 4])
+    tasks = []
+    for name, seeds in (("a", (0, 1, 2)), ("b", (10, 11))):
+        samples = [sample(s) for s in seeds]
+        jobs = [(i, (0.5, 0.5)) for i in range(len(samples))]
+        tasks.append((jobs, samples, smollm2.Cache(str(tmp_path / f"{name}.jsonl"))))
+    args = SimpleNamespace(jobs=1, shard=(1, 2), density=0.5, block_size=64, layers=None,
+                           threads=1, loss_stride=1)
+    got = smollm2.measure(args, *tasks)
+    assert len(loads) == 1 and sorted(s for s, _ in scored) == [1, 11]
+    assert [[r["loss"] for r in rows] for rows in got] == [[1.0], [11.0]]
+    args.shard = (0, 1)                      # the summary: every row, the shard's from cache
+    loads.clear(), scored.clear()
+    got = smollm2.measure(args, *tasks)
+    assert sorted(s for s, _ in scored) == [0, 2, 10] and len(loads) == 1
+    assert [[r["loss"] for r in rows] for rows in got] == [[0.0, 1.0, 2.0], [10.0, 11.0]]
+
+
+def test_validate_with_refresh_measures_both_in_one_pass_of_the_shards(tmp_path, monkeypatch):
+    """``plan_quality --validate --refresh`` hands the plans' forwards and the refresh's to one
+    ``measure``, so ``--jobs N`` starts its children once and they make their shards of both
+    (the refresh's were the parent's alone); a child stops after it (no summary)."""
+    from studies import plan_quality as pq
+    from studies import smollm2
+
+    monkeypatch.setattr(smollm2, "tokenizer", lambda: None)
+    monkeypatch.setattr(smollm2, "encoder", lambda tok: None)
+    monkeypatch.setattr(smollm2, "samples", lambda kinds, n, lengths, seed, enc: [
+        SimpleNamespace(task="t", length=lengths[0], depth=0.5, seed=seed + i,
+                        input_ids=[0] * (lengths[0] - 2), answer_ids=[0]) for i in range(n)])
+    calls = []
+    monkeypatch.setattr(pq, "measure", lambda args, *tasks: calls.append(tasks) or
+                        [[] for _ in tasks])
+    args = pq.parse_args(["--validate", "--quick", "--refresh", "--shard", "1/2",
+                          "--cache", str(tmp_path / "v.jsonl")])
+    args.refresh_cache = str(tmp_path / "r.jsonl")
+    assert pq.validate(args) == 0
+    (plans_task, refresh_task), = calls
+    assert plans_task[2].path == args.cache and refresh_task[2].path == args.refresh_cache
+    assert len(refresh_task[0]) == sum(len(mb) for mb in pq.held_out_bins(
+        [smollm2.tokens(s) + 1 for s in refresh_task[1]], 4, pq.QUICK_SEQ)) * (pq.GROUPS + 1)
