@@ -347,7 +347,7 @@ def equal_work(profile: list, lengths: list, args) -> list:
     def work(d: float) -> float:
         return attention_work(lengths, min(1.0, d), args.block_size, sb.sink_blocks,
                               sb.local_blocks)
-    return scaled_to_work(profile, work, len(profile) * work(args.density))
+    return scaled_to_work(profile, work, args.density)
 
 
 def evaluate(args, ckpt: str, docs: list, readings, pool=None) -> dict:

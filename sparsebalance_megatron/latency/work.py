@@ -96,14 +96,15 @@ def attention_work(doc_lengths: DocLengths, density: float, block_size: int,
     return float(table[nb].sum())
 
 
-def scaled_to_work(profile: Sequence[float], work, target: float,
+def scaled_to_work(profile: Sequence[float], work, density: float,
                    weights: Optional[Sequence[float]] = None) -> list:
     """``profile`` (one density per layer) times the one factor that makes the layers' summed
-    ``work(density)`` equal ``target``, each density capped at 1 (bisection, 50 halvings; the
-    result rounded to 4 digits): a per-layer allocation's shape at another cost. ``work``: a
-    layer's kept work at a density in (0, 1], increasing; ``weights``: how many layers each
-    entry of ``profile`` stands for (default 1 each)."""
+    ``work(density)`` that of every layer at uniform ``density``, each density capped at 1
+    (bisection, 50 halvings; the result rounded to 4 digits): a per-layer allocation's shape at
+    uniform d0's cost. ``work``: a layer's kept work at a density in (0, 1], increasing;
+    ``weights``: how many layers each entry of ``profile`` stands for (default 1 each)."""
     weights = [1.0] * len(profile) if weights is None else weights
+    target = sum(weights) * work(density)
     lo, hi = 0.0, 1.0 / max(min(profile), 1e-12)
     for _ in range(50):
         mid = 0.5 * (lo + hi)

@@ -29,7 +29,7 @@ def _brute_factor(profile, work, target):
 def test_scaled_to_work_keeps_the_shape_at_the_target_cost(work):
     profile = [0.62, 0.48, 0.41, 0.95]
     target = len(profile) * work(0.5)
-    got = scaled_to_work(profile, work, target)
+    got = scaled_to_work(profile, work, 0.5)
     c = _brute_factor(profile, work, target)
     assert got == pytest.approx([min(1.0, c * p) for p in profile], abs=2e-4)
     assert sum(work(d) for d in got) == pytest.approx(target, rel=2e-3)

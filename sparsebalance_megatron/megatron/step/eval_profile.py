@@ -82,7 +82,7 @@ class TrainedProfile:
             return None
         profile = (self.sums / self.steps)[np.asarray(self.attention) - 1]
         values, inverse, counts = np.unique(profile, return_inverse=True, return_counts=True)
-        scaled = scaled_to_work(values.tolist(), self.work, len(profile) * self.work(self.density),
+        scaled = scaled_to_work(values.tolist(), self.work, self.density,
                                 weights=counts.tolist())
         return dict(zip(self.attention, np.asarray(scaled)[inverse].tolist()))
 
