@@ -52,9 +52,8 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
     return UnitCosts(costs.densities, cut(costs.fwd_s), cut(costs.bwd_s), cut(costs.attn_work),
                      pipeline_ranks=costs.pipeline_ranks, dense_work=cut(costs.dense_work),
                      kept_grid=cut(costs.kept_grid), unit_docs=docs,
-                     tables_checked=formula is not None,
-                     _total=cut(costs.total_s) if formula is not None else None,
-                     _formula=formula)
+                     tables_checked=formula is not None, total_s=cut(costs.total_s),
+                     formula=formula)
 
 
 @dataclass
