@@ -166,24 +166,17 @@ class RankDST:
         s, ps = self.settings, self.ps
         self.t1 = np.asarray(a2["mk1"], dtype=np.float64)
         raised = raise_rows(ps, self.cut_rows, self.a1.t0, self.t1, s.raise_headroom, s.raise_to)
-        self.plans = plan_reports(ps, self.rows, s.d0, (self.a1.t0, self.t1), raised)
-        idx = np.stack([p.grid_index for p in self.plans])       # [K, 1, m, nv]
-        dens = self.costs.densities[idx]
-        kept_s = (dens * self.w).sum(axis=(1, 2))                # [K, nv]
-        plain_s = dens.sum(axis=(1, 2))                          # where a stage weighs 0
+        self.plans, parts = plan_reports(ps, self.rows, s.d0, (self.a1.t0, self.t1), raised)
         q = np.zeros(len(self.plans))
         if self.quality is not None:
-            q = self.quality.sums_at(idx, self.costs.densities)
+            q = self.quality.sums_at(np.stack([p.grid_index for p in self.plans]),
+                                     self.costs.densities)
             for p, w, qk in zip(self.plans, self.water, q.tolist()):   # the rank's own (at DP
                 if w:                               # 1 the verdicts read it): the water rows'
                     p.report.quality_cost = qk / self.tokens
-        mk = np.array([p.report.step_time_planned_s for p in self.plans])
-        self.kept_s, self.q, self.mk = kept_s, q, mk
-        counts = np.array([[p.report.units_cut, p.report.units_raised,
-                            p.report.ranks_reverted] for p in self.plans], dtype=np.int64)
-        return {"sum": {"kept_s": kept_s, "plain_s": plain_s, "quality": q, "mk_sum": mk,
-                        "counts": counts},
-                "max": {"mk": mk}}
+        parts["sum"]["quality"] = q
+        self.kept_s, self.q, self.mk = parts["sum"]["kept_s"], q, parts["max"]["mk"]
+        return parts
 
     def replicate_parts(self) -> dict:
         """After ``choose`` (the quality objective): the rank's parts of the kept row's and the
