@@ -1,10 +1,10 @@
 """One DP rank's part of DST (docs/DESIGN.md section 6, "DST and SAB at scale"): the band search
 and the critical-path descent on the rank's [1, m, stages] slice of the costs, the ranks coupled
 only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s methods are the
-rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
-candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
-one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
-(``dst_probes``).
+rounds' steps up to the descent's start, in the order ``dst_rounds`` lists them (the descent's
+are ``dst_probes.RankProbes``'). The band search decomposes exactly: its candidates are known
+before any verdict (``bands.candidate_tree``), so a rank plans them all in one batched pass and
+``choose`` replays the search on the agreed verdicts; the descent is probed.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -12,6 +12,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -19,8 +20,8 @@ from .costs import UnitCosts
 from .density_means import WeightTotals
 from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
-from .dst_band import (SPEED_TIE, DSTPlan, DSTReport, band_pass, cut_rows, plan_reports,
-                       raise_rows, uniform_cut)
+from .dst_band import (SPEED_TIE, DSTReport, band_pass, cut_rows, plan_reports, raise_rows,
+                       uniform_cut)
 from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
@@ -211,11 +212,9 @@ class RankDST:
         index = {(c, bool(w)): i for i, (c, w) in enumerate(zip(self.rows, self.water))}
         views = {}
 
-        def view(i):
+        def view(i):                    # what the band search reads of row i
             if i not in views:
-                views[i] = DSTPlan(self.plans[i].densities, self.global_report(i, a3),
-                                   self.plans[i].grid_index)
-                views[i].k = i
+                views[i] = SimpleNamespace(k=i, report=self.global_report(i, a3))
             return views[i]
 
         def agreed_cost(p) -> float:
@@ -251,41 +250,23 @@ class RankDST:
         ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
         if ok:
-            self.cur = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
-                        float(self.q[k]))
+            start = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
+                     float(self.q[k]))
         else:
-            i0 = self.costs.index_of(s.d0)
-            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.ps.mk0.max()),
-                        s.d0 * self.w.sum(axis=(0, 1)), 0.0)
+            start = (np.full(self.plans[k].grid_index.shape, self.ps.bounds[0]),
+                     float(self.ps.mk0.max()), s.d0 * self.w.sum(axis=(0, 1)), 0.0)
         # the start's agreed step: AR3's (the band plan's) or AR1's (the static plan's)
-        self.start_step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
+        step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
         qsum = None if self.quality is None else \
             (lambda i: float(self.quality.sums_at(i, self.costs.densities)))
-        self.probes = RankProbes(self.costs, self.w, s, qsum, self.cur,
-                                 probe_steps(self.start_step))
-        _, mk, kept_s, q = self.cur
+        self.probes = RankProbes(self.costs, s, self.ps.bounds, qsum, start, probe_steps(step))
+        _, mk, kept_s, q = start
         more = self.probes.first()
         out = {"sum": {"kept_s": kept_s, "quality": q, **more["sum"]},
                "max": {"mk": mk, **more["max"]}}
         if self.quality is not None:
             out["sum"].update(self.replicate_parts()["sum"])
         return out
-
-    def probe(self, agreed: dict) -> dict:
-        """AR4's parts (AR3b's sums ``agreed``): the rank's plans at every probe step
-        (``probe_steps`` of the start's agreed step) in two chains (``dst_probes``): makespans
-        [2P] (max), kept work by stage [2P, stages] and quality sums [2P] (sums)."""
-        self.start_step = float(agreed["mk"])
-        return self.probes.probe(agreed, self.a1)
-
-    def pick(self, a4: dict) -> int:
-        """The plan every rank keeps (AR4's sums and maxima): the fastest that meets the
-        neutral floors globally, the first of equal steps; -1: none is faster than the start.
-        The rank's plan becomes its part of it."""
-        best = self.probes.best(a4, self.a1, self.start_step)
-        if best >= 0:
-            self.cur = self.probes.plans[best]
-        return best
 
     def adopt(self, idx: np.ndarray, report: DSTReport, replicates, free_replicates,
               a3: dict) -> tuple:
