@@ -120,36 +120,34 @@ class RankDST:
         quality = None if quality is None else quality.bind(costs)
         self.costs, self.settings, self.quality, self.narrow = costs, s, quality, narrow
         self.tokens = quality.tokens if quality is not None else float(costs.shape[1])
-        self.cands = candidate_tree(s, narrow)
-        k = len(self.cands)
+        cands = candidate_tree(s, narrow)
+        k = len(cands)
         # the quality objective without the descent: both objectives' searches (the density
         # order's rows first, then the water-filling's)
         self.both = quality is not None and not self.descend_on
-        self.rows = self.cands * 2 if self.both else self.cands
+        self.rows = cands * 2 if self.both else cands
         self.water = np.array([False] * k + [True] * k if self.both
                               else [quality is not None] * k)
         self.ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), len(self.rows),
                             self.water, quality, s.p2p_s)
-        # the uniform trade (the 'auto' exchange rate): every unit one step of density lower
-        g = costs.densities
-        i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
-        i_lo = max(i_lo, self.ps.bounds[1])
-        self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
-        if quality is not None and i_lo < self.ps.bounds[0]:
-            self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
         self.w = costs.attn_work
 
     def ar1(self) -> dict:
-        """The rank's AR1 parts: sums and maxima."""
-        c, dw = self.ps, self.costs.dense_work          # float64 (``UnitCosts``) or None
+        """The rank's AR1 parts: sums and maxima; ``mk_lo`` and ``q_lo``, the uniform trade
+        (the 'auto' exchange rate): every unit one step of density lower."""
+        c, dw, g = self.ps, self.costs.dense_work, self.costs.densities     # dw: float64 or None
+        i_lo = max(int(np.searchsorted(g, UNIFORM_STEP * self.settings.d0 + 1e-12)) - 1,
+                   c.bounds[1])
+        q_lo = 0.0
+        if self.quality is not None and i_lo < c.bounds[0]:
+            q_lo = float(self.quality.sums_at(np.full(self.costs.shape, i_lo), g))
         pp = self.w.shape[2]
         return {"sum": {"busy": float(c.busy0.sum()), "busy_n": c.busy0.size,
                         "tot_s": self.w.sum(axis=(0, 1)),
                         "dense_s": np.zeros(pp) if dw is None else dw.sum(axis=(0, 1)),
                         "units": self.w.shape[1], "ranks": 1, "tokens": self.tokens,
-                        "q_lo": self.lo[1],
-                        "mk0_sum": float(c.mk0.max())},
-                "max": {"mk0": float(c.mk0.max()), "mk_lo": self.lo[0],
+                        "q_lo": q_lo, "mk0_sum": float(c.mk0.max())},
+                "max": {"mk0": float(c.mk0.max()), "mk_lo": float(uniform_cut(c, i_lo)[1].max()),
                         "busy_max": float(c.busy0.max())}}
 
     def cut(self, a1: Agreed1) -> dict:
