@@ -208,21 +208,16 @@ class RankDST:
         cost prefers among those within ``SPEED_TIE`` of the faster."""
         s, q = self.settings, self.quality
         index = {(c, bool(w)): i for i, (c, w) in enumerate(zip(self.rows, self.water))}
-        views = {}
-
-        def view(i):                    # what the band search reads of row i
-            if i not in views:
-                views[i] = SimpleNamespace(k=i, report=self.global_report(i, a3))
-            return views[i]
 
         def agreed_cost(p) -> float:
             """A row's quality cost, the whole step's (the guard of a narrower band)."""
             return float(a3["quality"][p.k]) / self.a1.tokens
 
         def views_of(water: bool):
-            """A band search's plans: the rows' agreed views (a KeyError: the tree missed a
-            candidate, a bug)."""
-            return lambda asked: [view(index[c, water]) for c in asked]
+            """A band search's plans: each asked row's index k and agreed report, what the
+            search reads (a KeyError: the tree missed a candidate, a bug)."""
+            return lambda asked: [SimpleNamespace(k=k, report=self.global_report(k, a3))
+                                  for k in (index[c, water] for c in asked)]
 
         if not self.both:
             kept = band_search(s, views_of(q is not None), narrow=self.narrow, quality=q)
