@@ -86,15 +86,14 @@ class UnitCosts:
     # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
     # from its inputs, a few thousand numbers, instead of the tables' millions)
     tables_checked: bool = field(default=False, repr=False, compare=False)
-    # fwd_s + bwd_s, where the maker has it already (``from_latency``'s compiled pass); only
-    # with tables_checked (the tables are kept as given, so the sum stays theirs)
-    _total: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
-    # the tables' own formula, where the maker has it (``from_latency``): (work [n, g],
-    # per_pair [2, stages], fixed [2, n, stages], correction [n, stages], scaled),
-    # ``kernels.grid.unit_seconds``' operands; the descent computes a unit's seconds from it (a
-    # few small arrays that stay in the cache) instead of reading the tables; only with
-    # tables_checked (the tables are kept as made)
-    _formula: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # fwd_s + bwd_s [dp, m, pp, g], given where the maker has it already (``from_latency``'s
+    # compiled pass), else made here; and the tables' own formula, where the maker has it:
+    # (work [n, g], per_pair [2, stages], fixed [2, n, stages], correction [n, stages],
+    # scaled), ``kernels.grid.unit_seconds``' operands, from which the descent computes a unit's
+    # seconds (a few small arrays that stay in the cache) instead of reading the tables. Both
+    # are kept only with tables_checked (the tables are kept as made, so they stay theirs)
+    total_s: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    formula: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         g = np.asarray(self.densities, dtype=np.float64)
@@ -123,13 +122,11 @@ class UnitCosts:
         self.densities = g
         self.fwd_s = f if self.tables_checked else _non_decreasing(f)
         self.bwd_s = b if self.tables_checked else _non_decreasing(b)
-        if self._total is not None and self.tables_checked and self._total.shape == f.shape:
-            self.total_s = self._total
-        else:
-            self.total_s = self.fwd_s + self.bwd_s                   # [dp, m, pp, g]
-        self._total = None
-        self.formula = self._formula if self.tables_checked else None
-        self._formula = None
+        if not (self.tables_checked and self.total_s is not None
+                and self.total_s.shape == f.shape):
+            self.total_s = self.fwd_s + self.bwd_s
+        if not self.tables_checked:
+            self.formula = None
         for name in ("attn_work", "dense_work"):
             if getattr(self, name) is not None:
                 w = np.asarray(getattr(self, name), dtype=np.float64)
@@ -314,8 +311,7 @@ class UnitCosts:
                    pipeline_ranks=model.layout.pp, dense_work=routed,
                    kept_grid=kept.reshape(rows, m, g.size), unit_docs=unit_docs,
                    tables_checked=checked,
-                   _total=total.reshape(rows, m, pp, g.size) if checked else None,
-                   _formula=formula if checked else None)
+                   total_s=total.reshape(rows, m, pp, g.size), formula=formula)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

@@ -184,10 +184,10 @@ def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float,
     return idx, mk_final, reverted
 
 
-def plan_reports(ps: RowsPass, candidates, d0: float, steps: tuple, raised: tuple
-                 ) -> list[DSTPlan]:
+def plan_reports(ps: RowsPass, candidates, d0: float, steps: tuple, raised: tuple) -> tuple:
     """Step 4: every candidate's plan and report, from the steps (static step time, cut step
-    times [k]) and the raise (grid indices, makespans, reverted)."""
+    times [k]) and the raise (grid indices, makespans, reverted); and their parts of AR3 but
+    the quality's (``dst_ranks.RankDST.raise_``)."""
     costs, k, dp, mk0 = ps.costs, ps.k, ps.dp, ps.mk0
     step0, step1 = steps
     idx, mk_final, reverted = raised
@@ -202,15 +202,17 @@ def plan_reports(ps: RowsPass, candidates, d0: float, steps: tuple, raised: tupl
         reverted.reshape(k, dp)
     imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0
     dens_c = costs.densities[idx_c].reshape(k, dp, m, nv)
-    mean_c, stage_c = _density_stats(dens_c, weights, costs.dense_work)
+    mean_c, stage_c, kept_s = _density_stats(dens_c, weights, costs.dense_work)
     mean_static = float(d0) if costs.dense_work is None else \
         weighted_mean_density(np.full(dens_c.shape[1:], float(d0)), weights, costs.dense_work)
     flat_c = idx_c.reshape(k, -1)
-    cut_c, raised_c = (flat_c < i0).sum(axis=1).tolist(), (flat_c > i0).sum(axis=1).tolist()
+    counts = np.stack([(flat_c < i0).sum(axis=1), (flat_c > i0).sum(axis=1),
+                       rev_c.sum(axis=1)], axis=1).astype(np.int64)
+    cut_c, raised_c, rev_n = counts.T.tolist()
     # every candidate's makespans' max and mean at once (a row's mean is numpy's over the same
     # elements in the same order as the row's own: the same floats)
-    top_c, mean_mk_c = mk_c.max(axis=1).tolist(), mk_c.mean(axis=1).tolist()
-    rev_n = rev_c.sum(axis=1).tolist()
+    mk_top = mk_c.max(axis=1)
+    top_c, mean_mk_c = mk_top.tolist(), mk_c.mean(axis=1).tolist()
     step1_c = np.asarray(step1, dtype=np.float64).reshape(k).tolist()
     for c, (_, tolerance) in enumerate(candidates):
         top, mean_mk = top_c[c], mean_mk_c[c]
@@ -224,21 +226,23 @@ def plan_reports(ps: RowsPass, candidates, d0: float, steps: tuple, raised: tupl
             ranks_reverted=rev_n[c], tolerance_used=float(tolerance),
             density_per_stage=stage_c[c])
         plans.append(DSTPlan(dens_c[c], report, idx_c[c].reshape(dp, m, nv)))
-    return plans
+    return plans, {"sum": {"kept_s": kept_s, "plain_s": dens_c.sum(axis=(1, 2)),
+                           "mk_sum": mk_c.sum(axis=1), "counts": counts}, "max": {"mk": mk_top}}
 
 
 def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
     """The mean and per-stage (a tuple of floats) work-weighted densities (``WeightTotals``) of
-    every candidate's densities ``dens`` [k, dp, m, pp] in one pass: each sum is numpy's over
-    the same elements in the same order as one candidate's alone (a [k, ...] sum over the
-    trailing axes sums each candidate as a call sums its array), so the floats are theirs."""
+    every candidate's densities ``dens`` [k, dp, m, pp] in one pass, and its kept work by stage:
+    each sum is numpy's over the same elements in the same order as one candidate's alone (a
+    [k, ...] sum over the trailing axes sums each candidate as a call sums its array)."""
     k = dens.shape[0]
     totals = WeightTotals(weights, dense_work)
     kept_all = dens * totals.w
     mean = [totals.mean(x, lambda c=c: float(dens[c].reshape(-1).mean()))
             for c, x in enumerate(kept_all.reshape(k, -1).sum(axis=1).tolist())]
-    stage = totals.stage(kept_all.sum(axis=(1, 2)), lambda: dens.mean(axis=(1, 2)))
-    return mean, [tuple(row) for row in stage.tolist()]
+    kept_s = kept_all.sum(axis=(1, 2))
+    stage = totals.stage(kept_s, lambda: dens.mean(axis=(1, 2)))
+    return mean, [tuple(row) for row in stage.tolist()], kept_s
 
 
 def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""The critical-path descent, one DP rank's part (``dst_ranks.RankDST``'s ``descent_start``,
-``probe`` and ``pick``; why it is probed: docs/DESIGN.md section 6, "DST and SAB at scale").
+"""The critical-path descent, one DP rank's part (AR3b on, ``dst_ranks.RankDST.descent_start``;
+why it is probed: docs/DESIGN.md section 6, "DST and SAB at scale").
 Every rank (at DP 1 the one) works on ``PROBES`` agreed steps below the start's
 (``probe_steps``), and two reductions agree what a rank cannot see:
 
@@ -14,7 +14,7 @@ Every rank (at DP 1 the one) works on ``PROBES`` agreed steps below the start's
    start's surplus over the floors plus the supply) leaves, or its part of the slack in
    proportion to its demand where the ranks ask for more (``_share``); **alone**, each the
    whole slack.
-3. ``pick``: the fastest of AR4's 2P plans whose sums meet the descent's floors globally.
+3. ``best``: the fastest of AR4's 2P plans whose sums meet the descent's floors globally.
 
 Cost: a rank's ``FILL_EVERY``-th fills and at most three chains of P descents; AR3b
 [P x (3 stages + 6)] floats, AR4 [2P x (stages + 2)], none growing with DP.
@@ -45,17 +45,17 @@ def probe_steps(step: float) -> np.ndarray:
 
 class RankProbes:
     """One DP rank's probed descent from ``start`` = (grid indices [1, m, stages], makespan,
-    kept work by stage, quality sum) toward ``steps`` (module docstring). ``w``: the rank's
-    work weights; ``qsum(idx)``: its quality sum of a plan (None: no quality objective)."""
+    kept work by stage, quality sum) toward ``steps`` (module docstring). ``bounds``: the grid
+    indices of d0, d_min and d_max; ``qsum(idx)``: the rank's quality sum of a plan (None: no
+    quality objective)."""
 
-    def __init__(self, costs, w, settings, qsum, start: tuple, steps: np.ndarray):
-        s = settings
+    def __init__(self, costs, settings, bounds: tuple, qsum, start: tuple, steps: np.ndarray):
         self.costs, self.w, self.s, self.qsum, self.start, self.steps = \
-            costs, w, s, qsum, start, steps
-        self.i0, self.i_min, self.i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
-        self.floor, self.stage_floor = descent_floors(s)
+            costs, costs.attn_work, settings, qsum, start, steps
+        self.i0, i_min, i_max = bounds
+        self.floor, self.stage_floor = descent_floors(settings)
         # the graph, tables and round every descent and fill of the rank share
-        self.setup = descent_setup(costs, self.i_min, self.i_max, s.p2p_s)
+        self.setup = descent_setup(costs, i_min, i_max, settings.p2p_s)
 
     def _record(self, idx, mk: float) -> tuple:
         """(effective grid indices, makespan, kept work by stage, quality sum) of a plan."""

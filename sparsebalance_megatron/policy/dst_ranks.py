@@ -1,10 +1,10 @@
 """One DP rank's part of DST (docs/DESIGN.md section 6, "DST and SAB at scale"): the band search
 and the critical-path descent on the rank's [1, m, stages] slice of the costs, the ranks coupled
 only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s methods are the
-rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
-candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
-one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
-(``dst_probes``).
+rounds' steps up to the descent's start, in the order ``dst_rounds`` lists them (the descent's
+are ``dst_probes.RankProbes``'). The band search decomposes exactly: its candidates are known
+before any verdict (``bands.candidate_tree``), so a rank plans them all in one batched pass and
+``choose`` replays the search on the agreed verdicts; the descent is probed.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -12,6 +12,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -19,8 +20,8 @@ from .costs import UnitCosts
 from .density_means import WeightTotals
 from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
-from .dst_band import (SPEED_TIE, DSTPlan, DSTReport, band_pass, cut_rows, plan_reports,
-                       raise_rows, uniform_cut)
+from .dst_band import (SPEED_TIE, DSTReport, band_pass, cut_rows, plan_reports, raise_rows,
+                       uniform_cut)
 from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
@@ -52,9 +53,8 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
     return UnitCosts(costs.densities, cut(costs.fwd_s), cut(costs.bwd_s), cut(costs.attn_work),
                      pipeline_ranks=costs.pipeline_ranks, dense_work=cut(costs.dense_work),
                      kept_grid=cut(costs.kept_grid), unit_docs=docs,
-                     tables_checked=formula is not None,
-                     _total=cut(costs.total_s) if formula is not None else None,
-                     _formula=formula)
+                     tables_checked=formula is not None, total_s=cut(costs.total_s),
+                     formula=formula)
 
 
 @dataclass
@@ -120,36 +120,34 @@ class RankDST:
         quality = None if quality is None else quality.bind(costs)
         self.costs, self.settings, self.quality, self.narrow = costs, s, quality, narrow
         self.tokens = quality.tokens if quality is not None else float(costs.shape[1])
-        self.cands = candidate_tree(s, narrow)
-        k = len(self.cands)
+        cands = candidate_tree(s, narrow)
+        k = len(cands)
         # the quality objective without the descent: both objectives' searches (the density
         # order's rows first, then the water-filling's)
         self.both = quality is not None and not self.descend_on
-        self.rows = self.cands * 2 if self.both else self.cands
+        self.rows = cands * 2 if self.both else cands
         self.water = np.array([False] * k + [True] * k if self.both
                               else [quality is not None] * k)
         self.ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), len(self.rows),
                             self.water, quality, s.p2p_s)
-        # the uniform trade (the 'auto' exchange rate): every unit one step of density lower
-        g = costs.densities
-        i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
-        i_lo = max(i_lo, self.ps.bounds[1])
-        self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
-        if quality is not None and i_lo < self.ps.bounds[0]:
-            self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
         self.w = costs.attn_work
 
     def ar1(self) -> dict:
-        """The rank's AR1 parts: sums and maxima."""
-        c, dw = self.ps, self.costs.dense_work          # float64 (``UnitCosts``) or None
+        """The rank's AR1 parts: sums and maxima; ``mk_lo`` and ``q_lo``, the uniform trade
+        (the 'auto' exchange rate): every unit one step of density lower."""
+        c, dw, g = self.ps, self.costs.dense_work, self.costs.densities     # dw: float64 or None
+        i_lo = max(int(np.searchsorted(g, UNIFORM_STEP * self.settings.d0 + 1e-12)) - 1,
+                   c.bounds[1])
+        q_lo = 0.0
+        if self.quality is not None and i_lo < c.bounds[0]:
+            q_lo = float(self.quality.sums_at(np.full(self.costs.shape, i_lo), g))
         pp = self.w.shape[2]
         return {"sum": {"busy": float(c.busy0.sum()), "busy_n": c.busy0.size,
                         "tot_s": self.w.sum(axis=(0, 1)),
                         "dense_s": np.zeros(pp) if dw is None else dw.sum(axis=(0, 1)),
                         "units": self.w.shape[1], "ranks": 1, "tokens": self.tokens,
-                        "q_lo": self.lo[1],
-                        "mk0_sum": float(c.mk0.max())},
-                "max": {"mk0": float(c.mk0.max()), "mk_lo": self.lo[0],
+                        "q_lo": q_lo, "mk0_sum": float(c.mk0.max())},
+                "max": {"mk0": float(c.mk0.max()), "mk_lo": float(uniform_cut(c, i_lo)[1].max()),
                         "busy_max": float(c.busy0.max())}}
 
     def cut(self, a1: Agreed1) -> dict:
@@ -167,24 +165,17 @@ class RankDST:
         s, ps = self.settings, self.ps
         self.t1 = np.asarray(a2["mk1"], dtype=np.float64)
         raised = raise_rows(ps, self.cut_rows, self.a1.t0, self.t1, s.raise_headroom, s.raise_to)
-        self.plans = plan_reports(ps, self.rows, s.d0, (self.a1.t0, self.t1), raised)
-        idx = np.stack([p.grid_index for p in self.plans])       # [K, 1, m, nv]
-        dens = self.costs.densities[idx]
-        kept_s = (dens * self.w).sum(axis=(1, 2))                # [K, nv]
-        plain_s = dens.sum(axis=(1, 2))                          # where a stage weighs 0
+        self.plans, parts = plan_reports(ps, self.rows, s.d0, (self.a1.t0, self.t1), raised)
         q = np.zeros(len(self.plans))
         if self.quality is not None:
-            q = self.quality.sums_at(idx, self.costs.densities)
+            q = self.quality.sums_at(np.stack([p.grid_index for p in self.plans]),
+                                     self.costs.densities)
             for p, w, qk in zip(self.plans, self.water, q.tolist()):   # the rank's own (at DP
                 if w:                               # 1 the verdicts read it): the water rows'
                     p.report.quality_cost = qk / self.tokens
-        mk = np.array([p.report.step_time_planned_s for p in self.plans])
-        self.kept_s, self.q, self.mk = kept_s, q, mk
-        counts = np.array([[p.report.units_cut, p.report.units_raised,
-                            p.report.ranks_reverted] for p in self.plans], dtype=np.int64)
-        return {"sum": {"kept_s": kept_s, "plain_s": plain_s, "quality": q, "mk_sum": mk,
-                        "counts": counts},
-                "max": {"mk": mk}}
+        parts["sum"]["quality"] = q
+        self.kept_s, self.q, self.mk = parts["sum"]["kept_s"], q, parts["max"]["mk"]
+        return parts
 
     def replicate_parts(self) -> dict:
         """After ``choose`` (the quality objective): the rank's parts of the kept row's and the
@@ -217,23 +208,16 @@ class RankDST:
         cost prefers among those within ``SPEED_TIE`` of the faster."""
         s, q = self.settings, self.quality
         index = {(c, bool(w)): i for i, (c, w) in enumerate(zip(self.rows, self.water))}
-        views = {}
-
-        def view(i):
-            if i not in views:
-                views[i] = DSTPlan(self.plans[i].densities, self.global_report(i, a3),
-                                   self.plans[i].grid_index)
-                views[i].k = i
-            return views[i]
 
         def agreed_cost(p) -> float:
             """A row's quality cost, the whole step's (the guard of a narrower band)."""
             return float(a3["quality"][p.k]) / self.a1.tokens
 
         def views_of(water: bool):
-            """A band search's plans: the rows' agreed views (a KeyError: the tree missed a
-            candidate, a bug)."""
-            return lambda asked: [view(index[c, water]) for c in asked]
+            """A band search's plans: each asked row's index k and agreed report, what the
+            search reads (a KeyError: the tree missed a candidate, a bug)."""
+            return lambda asked: [SimpleNamespace(k=k, report=self.global_report(k, a3))
+                                  for k in (index[c, water] for c in asked)]
 
         if not self.both:
             kept = band_search(s, views_of(q is not None), narrow=self.narrow, quality=q)
@@ -259,41 +243,23 @@ class RankDST:
         ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
         if ok:
-            self.cur = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
-                        float(self.q[k]))
+            start = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
+                     float(self.q[k]))
         else:
-            i0 = self.costs.index_of(s.d0)
-            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.ps.mk0.max()),
-                        s.d0 * self.w.sum(axis=(0, 1)), 0.0)
+            start = (np.full(self.plans[k].grid_index.shape, self.ps.bounds[0]),
+                     float(self.ps.mk0.max()), s.d0 * self.w.sum(axis=(0, 1)), 0.0)
         # the start's agreed step: AR3's (the band plan's) or AR1's (the static plan's)
-        self.start_step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
+        step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
         qsum = None if self.quality is None else \
             (lambda i: float(self.quality.sums_at(i, self.costs.densities)))
-        self.probes = RankProbes(self.costs, self.w, s, qsum, self.cur,
-                                 probe_steps(self.start_step))
-        _, mk, kept_s, q = self.cur
+        self.probes = RankProbes(self.costs, s, self.ps.bounds, qsum, start, probe_steps(step))
+        _, mk, kept_s, q = start
         more = self.probes.first()
         out = {"sum": {"kept_s": kept_s, "quality": q, **more["sum"]},
                "max": {"mk": mk, **more["max"]}}
         if self.quality is not None:
             out["sum"].update(self.replicate_parts()["sum"])
         return out
-
-    def probe(self, agreed: dict) -> dict:
-        """AR4's parts (AR3b's sums ``agreed``): the rank's plans at every probe step
-        (``probe_steps`` of the start's agreed step) in two chains (``dst_probes``): makespans
-        [2P] (max), kept work by stage [2P, stages] and quality sums [2P] (sums)."""
-        self.start_step = float(agreed["mk"])
-        return self.probes.probe(agreed, self.a1)
-
-    def pick(self, a4: dict) -> int:
-        """The plan every rank keeps (AR4's sums and maxima): the fastest that meets the
-        neutral floors globally, the first of equal steps; -1: none is faster than the start.
-        The rank's plan becomes its part of it."""
-        best = self.probes.best(a4, self.a1, self.start_step)
-        if best >= 0:
-            self.cur = self.probes.plans[best]
-        return best
 
     def adopt(self, idx: np.ndarray, report: DSTReport, replicates, free_replicates,
               a3: dict) -> tuple:

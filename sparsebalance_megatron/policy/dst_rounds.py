@@ -86,12 +86,12 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
         start = yield timed(3, rk.descent_start, a3)            # AR3b
         if quality is not None:
             replicates, free_replicates = start["quality_b"]
-        a4 = yield timed(4, rk.probe, start)                    # AR4
-        j = timed(5, rk.pick, a4)
+        a4 = yield timed(4, rk.probes.probe, start, a1)         # AR4
+        j = timed(5, rk.probes.best, a4, a1, float(start["mk"]))
         step = float(a4["mk"][j]) if j >= 0 else float("inf")
         if step < min(report.step_time_planned_s, report.step_time_static_s) * (1.0 - SPEED_TIE):
-            idx = rk.cur[0]
-            a5 = yield timed(5, report_parts, rk)               # AR5: the report's sums
+            idx = rk.probes.plans[j][0]
+            a5 = yield timed(5, report_parts, rk, rk.probes.plans[j])   # AR5: its report's sums
             report = agreed_report(report, a1, a5, ranks_reverted=0, quality_cost=float(
                 a5["quality"]) / a1.tokens if quality is not None else report.quality_cost)
             replicates = a5["quality_b"]
@@ -104,11 +104,12 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
     return RankPlan(idx, report, k, j, cpu)
 
 
-def report_parts(rk: RankDST) -> Parts:
-    """AR5: the rank's part of its kept plan's report: kept and plain density by stage, the
-    quality sum, its makespan (sum, for the mean; max, the step) and the units cut and raised."""
-    idx, mk, kept_s, q = rk.cur
-    i0 = rk.costs.index_of(rk.settings.d0)
+def report_parts(rk: RankDST, plan: tuple) -> Parts:
+    """AR5: the rank's part of the report of the descent's kept ``plan`` (its grid indices,
+    makespan, kept work by stage and quality sum): kept and plain density by stage, the quality
+    sum, its makespan (sum, for the mean; max, the step) and the units cut and raised."""
+    idx, mk, kept_s, q = plan
+    i0 = rk.ps.bounds[0]
     dens = rk.costs.densities[idx]
     counts = np.array([(idx < i0).sum(), (idx > i0).sum()], dtype=np.int64)
     qb = np.zeros(0) if rk.quality is None else \

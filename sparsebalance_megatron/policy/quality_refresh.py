@@ -57,9 +57,9 @@ def predicted_changes(cost: QualityCost, d0: float, tested: Sequence[float],
     from .quality_stages import StageQuality
 
     g = len(cost.groups)
+    n, t = _documents(cost, lengths, tokens)            # refused before any work
     widths = [grp.depth[1] - grp.depth[0] for grp in cost.groups]
     q = StageQuality.from_cost(cost, widths, d0)        # one stage per group: weights = I
-    n, t = _documents(cost, lengths, tokens)
     out = np.empty(g)
     for k in range(g):
         d = np.full((n.size, g), float(d0))
@@ -99,7 +99,6 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
     se = np.zeros(g) if stderr is None else _checked_vector(stderr, g, "stderr")
     if np.any(se < 0):
         raise QualityCostError(f"stderr {se.tolist()}: expected numbers >= 0")
-    _documents(cost, lengths, tokens)                  # refused before any work
     p = predicted_changes(cost, d0, t, lengths, tokens)
     if np.any(p <= 0):
         raise QualityCostError(f"the model predicts no loss at the tested densities "

@@ -50,7 +50,7 @@ def band_plans(costs, sensitivity, settings: DSTSettings, candidates, quality=No
     bands = np.array([(1.0 + t) for _, t in candidates]) * anchors
     step1, cut = cut_rows(ps, candidates, bands)
     raised = raise_rows(ps, cut, step0, step1, s.raise_headroom, s.raise_to)
-    plans = plan_reports(ps, candidates, s.d0, (step0, step1), raised)
+    plans, _ = plan_reports(ps, candidates, s.d0, (step0, step1), raised)
     if quality is not None:
         for p, w in zip(plans, water):
             if w:

@@ -191,9 +191,10 @@ def test_a_pass_reports_each_candidates_density_as_the_per_plan_functions_do(den
         w = rng.random((dp, m, pp)) * (rng.random((dp, m, pp)) > 0.2)
         w[..., -1] = 0.0                                       # a stage without weight
         dw = rng.random((dp, m, pp)) * 0.1 if dense else None
-        mean, stage = _density_stats(dens, w, dw)
+        mean, stage, kept_s = _density_stats(dens, w, dw)
         for c in range(k):
             assert mean[c] == weighted_mean_density(dens[c], w, dw)
             assert stage[c] == tuple(float(x) for x in stage_mean_densities(dens[c], w, dw))
-        zero_mean, _ = _density_stats(dens, np.zeros_like(w), None)
+            np.testing.assert_array_equal(kept_s[c], (dens[c] * w).sum(axis=(0, 1)))
+        zero_mean = _density_stats(dens, np.zeros_like(w), None)[0]
         assert zero_mean == [weighted_mean_density(d, np.zeros_like(w)) for d in dens]

@@ -247,23 +247,24 @@ def test_the_reductions_do_not_grow_with_dp(monkeypatch):
     """Every rank's parts of the five reductions (AR1, AR2, AR3, AR3b, AR4) have the same
     sizes at DP 1, DP 2 and DP 7 (at DP 1 the same rounds run): what crosses the DP group is fixed by m, the stages and the
     settings (AR3b, the largest: P x (3 stages + 6) + stages + 2 floats)."""
-    from sparsebalance_megatron.policy import dst_ranks
+    from sparsebalance_megatron.policy import dst_probes, dst_ranks
     from sparsebalance_megatron.policy.dst_probes import PROBES
 
     sizes, run = {}, {}
 
-    def spy(name):
-        f = getattr(dst_ranks.RankDST, name)
+    def spy(cls, name):
+        f = getattr(cls, name)
 
         def wrapped(self, *a):
             out = f(self, *a)
             size = sum(np.size(v) for part in out.values() for v in part.values())
             sizes.setdefault(run["dp"], {}).setdefault(name, set()).add(size)
             return out
-        monkeypatch.setattr(dst_ranks.RankDST, name, wrapped)
+        monkeypatch.setattr(cls, name, wrapped)
 
-    for name in ("ar1", "cut", "raise_", "descent_start", "probe"):
-        spy(name)
+    for name in ("ar1", "cut", "raise_", "descent_start"):
+        spy(dst_ranks.RankDST, name)
+    spy(dst_probes.RankProbes, "probe")
     m, pp = 6, 3
     for dp in (1, 2, 7):
         run["dp"] = dp
