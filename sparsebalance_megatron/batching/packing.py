@@ -99,14 +99,15 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
     arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
                                           long_sample_policy)
     tokens = sizes.astype(np.float64)
-    bins = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
-                         max_tokens=max_tokens, seed=seed,
-                         key=lambda ids, lengths: np.zeros(lengths.size)).units().bins
-    if bins is None:            # Megatron's sequential bins, as they are (each rank's tokens)
+    u = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
+                      max_tokens=max_tokens, seed=seed,
+                      key=lambda ids, lengths: np.zeros(lengths.size)).units()
+    if not u.fits:              # Megatron's sequential bins, as they are (each rank's tokens)
         seq = sequential_plan(arr, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
         return replace(seq, method="token_balanced", num_split_samples=n_split, fallback=True)
-    return finish_plan(bins, "token_balanced", max_tokens, n_split, False, arr, tokens)
+    return finish_plan(u.items, u.counts, "token_balanced", max_tokens, n_split, False, arr,
+                       tokens)
 
 
 def sab_plan(samples, **kw) -> BatchPlan:

@@ -191,18 +191,13 @@ def gathered_plan(batch, gather):
                               batch.length_multiple)
 
 
-def finish_plan(bins, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
-    """The plan of micro-batches ``bins`` ([dp][m] lists of indices of rows of ``arr``, the
-    segments' [n, 3] array: ``BatchPlan.of_items``), each rank's cost the ``sum()`` of its
-    segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
-    dp = len(bins)
-    m = len(bins[0]) if dp else 0
-    sizes = np.fromiter((len(b) for rank in bins for b in rank), np.int64, count=dp * m)
-    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
-                        count=int(sizes.sum()))
-    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(sizes.reshape(dp, m).sum(axis=1)))
-    return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split, fallback,
-                              rank_cost)
+def finish_plan(items, counts, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
+    """The plan of the micro-batches ``items`` (indices of rows of ``arr``, the segments' [n, 3]
+    array), ``counts`` [dp, m] of them each (``BatchPlan.of_items``), each rank's cost the
+    ``sum()`` of its segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
+    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts.sum(axis=1)))
+    return BatchPlan.of_items(arr, items, counts.reshape(-1), *counts.shape, method, max_tokens,
+                              n_split, fallback, rank_cost)
 
 
 _UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding

@@ -89,6 +89,16 @@ def offsets_of(counts) -> np.ndarray:
     return out
 
 
+def take_runs(items: np.ndarray, counts: np.ndarray, units: np.ndarray) -> tuple:
+    """(the runs ``units`` (any shape, read flat) of the CSR (``items``, ``counts``: every run's
+    size, any shape, read flat) laid end to end in that order, their counts in ``units``'
+    shape)."""
+    flat = np.ravel(counts)
+    want, first = flat[units.reshape(-1)], offsets_of(flat)[units.reshape(-1)]
+    idx = np.repeat(first - np.cumsum(want) + want, want) + np.arange(int(want.sum()))
+    return items[idx], want.reshape(units.shape)
+
+
 class SegmentRows(abc.Sequence):
     """``BatchPlan.micro_batches`` of an unpickled plan: rank r's [m] lists of (sample id,
     start, end) tuples made from the [n, 3] ``segments`` when first read (a rank reads its own;

@@ -334,9 +334,9 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
     from sparsebalance_megatron.kernels.packing import rank_bins
 
     def bins(size, cost):
-        bin_of, slot_of, ok = rank_bins(np.arange(6), np.array([0, 6]), np.array(size),
-                                        np.array(cost), 3, 1024)
-        return [np.flatnonzero(bin_of == j).tolist() for j in range(3)]
+        items, counts = rank_bins(np.arange(6), np.array([0, 6]), np.array(size),
+                                  np.array(cost), 3, 1024)
+        return [b.tolist() for b in np.split(items, np.cumsum(counts[0])[:-1])]
 
     # mean per bin of 3: 4.67
     assert bins([100, 100, 900, 100, 100, 100], [1.0, 1.0, 9.0, 1.0, 1.0, 1.0]) == \
