@@ -83,13 +83,13 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         counts = (hi - lo).astype(np.int64)
         cost = np.array([float(sizes[items].sum())])
         return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
-                                  n_split, False, cost, sizes=sizes)
+                                  n_split, False, cost)
     bin_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
     return BatchPlan.of_items(arr, items, counts, dp, m, "sequential", max_tokens, n_split,
-                              False, rank_cost, sizes=sizes)
+                              False, rank_cost)
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
