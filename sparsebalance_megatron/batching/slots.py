@@ -104,12 +104,13 @@ def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
     as as many ranks before it in that order keep theirs. So the search over them alone makes
     the same moves as over every rank, and a rank needs only their micro-batches."""
     k = candidate_count(rounds)
-    dp = span.size
-    if dp <= 2 * k:
-        return np.arange(dp)
-    order = np.lexsort((np.arange(dp), span))                 # (makespan, rank) ascending
-    desc = np.lexsort((np.arange(dp), -span))                 # (-makespan, rank) ascending
-    return np.union1d(order[:k], desc[:k])
+    return np.arange(span.size) if span.size <= 2 * k else extremes(span, np.arange(span.size), k)
+
+
+def extremes(span: np.ndarray, ranks: np.ndarray, k: int) -> np.ndarray:
+    """The ranks (ascending) of the k smallest and the k largest makespans ``span`` of
+    ``ranks`` (ties to the lower rank)."""
+    return np.union1d(ranks[np.lexsort((ranks, span))][:k], ranks[np.lexsort((ranks, -span))][:k])
 
 
 def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
