@@ -20,6 +20,7 @@ from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
 from .plan import (BatchingError, BatchPlan, check_fits, check_int, check_long_sample_policy,
                    check_rank, checked_segments, finish_plan, split_long)
+from .segments import take_runs
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -75,21 +76,13 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    bounds = np.append(starts, sizes.size)          # bin k holds items bounds[k]:bounds[k + 1]
-    if rank is not None:                  # its bins rank, dp + rank, ... (none past the last)
-        b = np.minimum(rank + dp * np.arange(m), starts.size)
-        lo, hi = bounds[b], bounds[np.minimum(b + 1, starts.size)]
-        items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
-        counts = (hi - lo).astype(np.int64)
-        cost = np.array([float(sizes[items].sum())])
-        return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
-                                  n_split, False, cost)
-    bin_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
-    rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
-    unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
-    items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
-    return BatchPlan.of_items(arr, items, counts, dp, m, "sequential", max_tokens, n_split,
-                              False, rank_cost)
+    # rank r's bins r, dp + r, ...; past the last, an empty one (bin ``starts.size``)
+    bins = np.minimum(np.arange(dp)[:, None] + dp * np.arange(m), starts.size)
+    n = sizes.size
+    items, counts = take_runs(np.arange(n), np.diff(np.r_[starts, n, n]),
+                              bins if rank is None else bins[rank:rank + 1])
+    return finish_plan(items, counts, "sequential", max_tokens, n_split, False, arr,
+                       sizes.astype(np.float64))
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
