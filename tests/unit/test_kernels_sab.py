@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.kernels import features, grid, packing, slots
-from sparsebalance_megatron.batching.slots import HEAVY_MOVES, MIN_GAIN, PARTNERS, _moves
+from sparsebalance_megatron.batching.slots import HEAVY_MOVES, MIN_GAIN, PARTNERS
 from sparsebalance_megatron.sim.pipeline import event_graph, pipeline_makespan_s
 
 FORMS = pytest.mark.parametrize("form", ["python", "compiled"])
@@ -264,7 +264,7 @@ def test_a_slot_search_round_takes_the_best_move(form):
         best = _round_oracle(fu, bu, sc, cost, rows, span, kw["p2p_s"], kw["pp"])
         got_rows, got_span = rows.copy(), span.copy()
         _form(slots.rounds_pass, form)(event_graph(m, ranks, vp).record(kw["p2p_s"]), fu, bu,
-                                       sc, cost, got_rows, got_span, _moves(m),
+                                       sc, cost, got_rows, got_span,
                                        (1, HEAVY_MOVES, PARTNERS, MIN_GAIN))
         r = int(np.argmax(span))
         if best < span[r] * (1 - MIN_GAIN):
