@@ -86,10 +86,8 @@ class BatchPlan:
 
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
-        derived arrays that do not depend on the padding come along)."""
-        out = replace(self, length_multiple=check_int("length_multiple", multiple, 0))
-        out._cache.update((k, v) for k, v in self._cache.items() if k in _UNPADDED)
-        return out
+        same micro-batches, so the same arrays)."""
+        return replace(self, length_multiple=check_int("length_multiple", multiple, 0))
 
     @classmethod
     def of_items(cls, arr: np.ndarray, items: np.ndarray, counts: np.ndarray, dp: int, m: int,
@@ -186,9 +184,6 @@ def finish_plan(items, counts, method, max_tokens, n_split, fallback, arr, cost)
     rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts.sum(axis=1)))
     return BatchPlan.of_items(arr, items, counts.reshape(-1), *counts.shape, method, max_tokens,
                               n_split, fallback, rank_cost)
-
-
-_UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding
 
 
 def padded_lengths(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
