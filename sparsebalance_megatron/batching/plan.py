@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Optional
 
 import numpy as np
 
