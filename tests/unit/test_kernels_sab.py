@@ -172,6 +172,14 @@ def test_a_ranks_bins_are_its_contiguous_cut_else_first_fit_decreasing(form):
         if None not in want:
             assert [got_bins(starts, seq, bin_of, r) for r in range(dp)] == want
     assert min(seen.values()) > 0, seen
+    for case in range(10):       # first-fit decreasing alone: long runs of equal sizes, in order
+        n, m = 300, 8
+        size, items = rng.integers(1, 5, n) * 10, rng.permutation(n)
+        cap = int(size.sum()) // m + 40
+        seq, bin_of = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        assert _form(packing._ffd, form)(items, 0, n, size, m, cap, seq, bin_of)
+        assert [seq[bin_of == j].tolist() for j in range(m)] == \
+            _ffd_oracle(items.tolist(), size.tolist(), m, cap)
 
 
 @FORMS
