@@ -10,35 +10,42 @@ Pure numpy (and ``kernels``); must not import torch, megatron or torch.distribut
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from itertools import chain
 from typing import Callable, Optional
 
 import numpy as np
 
 from .. import kernels
-from ..data.packing import sequential_bins
 from .latency_cost import LatencyCost
 from .plan import BatchingError, BatchPlan, finish_plan, padded_lengths, seeded_order
+from .segments import offsets_of, take_runs
 from . import slots as slot_search
 
 
 @dataclass
 class RankUnits:
-    """Some DP ranks' micro-batches as packed, before the cross-rank search."""
+    """Some DP ranks' micro-batches as packed, before the cross-rank search: one CSR from the
+    kernel that cuts them (``kernels.packing.rank_bins``) to the plan (``finish_plan``)."""
 
     ranks: np.ndarray                 # [k] DP ranks, ascending
-    bins: Optional[list]              # [k][m] lists of segment indices, in the cut's slots
-    fits: bool                        # every one of these ranks' micro-batches fits
+    items: Optional[np.ndarray]       # segment indices, rank-major, each rank's in its slots
+    counts: Optional[np.ndarray]      # [k, m] items of each (rank, slot); None: some rank's
+    # micro-batches do not fit
     fwd_s: Optional[np.ndarray] = None    # [k, m, stages] seconds (with a LatencyCost)
     bwd_s: Optional[np.ndarray] = None
     slots: Optional[np.ndarray] = None    # [k, m] seed slots (indices into the rank's own)
     span_s: Optional[np.ndarray] = None   # [k] makespan with them
     scale: Optional[np.ndarray] = None    # [k, stages] their calibration factors (priced with)
 
+    @property
+    def fits(self) -> bool:
+        return self.counts is not None
+
     def take(self, idx: np.ndarray) -> "RankUnits":
         """The units of ``ranks[idx]`` (``idx`` ascending)."""
         pick = (lambda a: None if a is None else a[idx])
-        return replace(self, ranks=self.ranks[idx], bins=[self.bins[i] for i in idx.tolist()],
+        m = self.counts.shape[1]
+        items, counts = take_runs(self.items, self.counts, idx[:, None] * m + np.arange(m))
+        return replace(self, ranks=self.ranks[idx], items=items, counts=counts,
                        fwd_s=pick(self.fwd_s), bwd_s=pick(self.bwd_s), slots=pick(self.slots),
                        span_s=pick(self.span_s), scale=pick(self.scale))
 
@@ -86,7 +93,7 @@ class SABAssignment:
         """The micro-batches of ``ranks`` (ascending; None: every rank) as packed, priced."""
         ranks = np.arange(self.dp) if ranks is None else np.asarray(ranks, dtype=np.int64)
         if self.rank_of is None:                       # the LPT found no room for a segment
-            return RankUnits(ranks, None, False)
+            return RankUnits(ranks, None, None)
         if ranks.size == self.dp:
             items, tie = None, self.tie
             rank_of = self.rank_of
@@ -108,30 +115,25 @@ class SABAssignment:
         if items is not None:
             by_rank = items[by_rank]
         starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=ranks.size))]
-        bins = _cut(by_rank, starts, self.sizes, self.cost, self.m, self.max_tokens)
-        if bins is None:
-            return RankUnits(ranks, None, False)
-        return self._priced(ranks, bins)
+        cut = kernels.packing.rank_bins(by_rank, starts, self.sizes, self.cost, self.m,
+                                        self.max_tokens)
+        return RankUnits(ranks, None, None) if cut is None else self._priced(
+            RankUnits(ranks, *in_slots(*cut, self.cost)))
 
-    def _priced(self, ranks: np.ndarray, bins: list) -> RankUnits:
-        """``RankUnits`` of these bins: their costs and seed slots (with a ``LatencyCost``)."""
-        out = RankUnits(ranks, bins, True)
+    def _priced(self, out: RankUnits) -> RankUnits:
+        """These units with their costs and seed slots (with a ``LatencyCost``)."""
         if self.cost_fn is None:
             return out
-        k, m = ranks.size, self.m
-        flat = [b for rank in bins for b in rank]
-        counts = np.fromiter(map(len, flat), dtype=np.int64, count=k * m)
-        lengths = self.sizes[np.fromiter(chain.from_iterable(flat), dtype=np.int64,
-                                         count=int(counts.sum()))]
-        lengths, counts = padded_lengths(lengths, counts, self.max_tokens,
-                                         self.length_multiple)
-        f, b = self.cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
+        k, m = out.counts.shape
+        lengths, counts = padded_lengths(self.sizes[out.items], out.counts.reshape(-1),
+                                         self.max_tokens, self.length_multiple)
+        f, b = self.cost_fn.unit_costs((offsets_of(counts), lengths))
         nv = f.shape[1]
         out.fwd_s, out.bwd_s = f.reshape(k, m, nv), b.reshape(k, m, nv)
         # the calibration factors of ``ranks`` as this process knows them: in a run a rank's
         # own (each DP rank calibrates its pipeline; the candidates' travel with their units,
         # ``sab_rounds``), in one process every rank's
-        out.scale = self.cost_fn.scale(self.dp)[ranks]
+        out.scale = self.cost_fn.scale(self.dp)[out.ranks]
         out.slots, out.span_s = slot_search.seed_slots(out.fwd_s, out.bwd_s, self.cost_fn.p2p_s,
                                                        self.cost_fn.pp, out.scale)
         return out
@@ -139,9 +141,9 @@ class SABAssignment:
     def fallback_units(self, ranks: np.ndarray) -> RankUnits:
         """``ranks``' sequential bins (``fallback_bins``, made once), priced."""
         if self._fallback is None:
-            self._fallback = fallback_bins(self.sizes, self.cost, self.dp, self.m,
-                                           self.max_tokens)
-        return self._priced(ranks, [self._fallback[r] for r in ranks.tolist()])
+            self._fallback = RankUnits(np.arange(self.dp), *fallback_bins(
+                self.sizes, self.cost, self.dp, self.m, self.max_tokens))
+        return self._priced(self._fallback.take(ranks))
 
     def agree(self, units: RankUnits) -> Agreement:
         """The agreement from every rank's ``units`` (in a run: the reductions)."""
@@ -152,12 +154,13 @@ class SABAssignment:
             return Agreement(fallback, None)
         return Agreement(fallback, units.take(slot_search.candidates(units.span_s)))
 
-    def _rows(self, mine: RankUnits, agreed: Agreement) -> list:
-        """[k][m] bins of ``mine.ranks`` in their slots after the search over the candidates."""
+    def _placed(self, mine: RankUnits, agreed: Agreement) -> tuple:
+        """(items, counts [k, m]) of ``mine.ranks``' micro-batches in their slots after the
+        search over the candidates."""
         if agreed.fallback:
             mine = self.fallback_units(mine.ranks)
         if agreed.candidates is None:
-            return mine.bins
+            return mine.items, mine.counts
         m, c = self.m, agreed.candidates
         found, _ = slot_search.search(c.ranks, c.fwd_s, c.bwd_s, c.slots, c.span_s, c.scale,
                                       self.cost_fn.p2p_s, self.cost_fn.pp)
@@ -165,13 +168,17 @@ class SABAssignment:
         pos = np.minimum(np.searchsorted(c.ranks, mine.ranks), c.ranks.size - 1)
         hit = c.ranks[pos] == mine.ranks
         ids[hit] = found[pos[hit]]
-        where = {int(r): b for r, b in zip(mine.ranks, mine.bins)}
-        where.update((int(r), b) for r, b in zip(c.ranks, c.bins))
-        return [[where[u // m][u % m] for u in row] for row in ids.tolist()]
+        # each micro-batch named from its rank's units: the candidates' (as they travelled),
+        # else mine (both laid end to end, mine first)
+        r = ids // m
+        at = np.minimum(np.searchsorted(c.ranks, r), c.ranks.size - 1)
+        row = np.where(c.ranks[at] == r, mine.ranks.size + at, np.searchsorted(mine.ranks, r))
+        return take_runs(np.concatenate([mine.items, c.items]),
+                         np.concatenate([mine.counts, c.counts]), row * m + ids % m)
 
     def rank_plan(self, mine: RankUnits, agreed: Agreement, method: str = "sab") -> BatchPlan:
         """The micro-batches of ``mine``'s ranks (one: a rank's own) after the agreement."""
-        return finish_plan(self._rows(mine, agreed), method, self.max_tokens, self.n_split,
+        return finish_plan(*self._placed(mine, agreed), method, self.max_tokens, self.n_split,
                            agreed.fallback, self.arr, self.cost
                            ).with_length_multiple(self.length_multiple)
 
@@ -181,68 +188,32 @@ class SABAssignment:
         return self.rank_plan(mine, self.agree(mine), method)
 
 
-def _cut(by_rank, starts, sizes, cost, m: int, max_tokens: int):
-    """Each rank's items (a run of ``by_rank`` from ``starts``) cut into m contiguous bins in
-    slot order (``kernels.packing.rank_bins``); a rank whose cuts do not fit takes the
-    first-fit-decreasing bins. None if some rank does not fit."""
-    k = starts.size - 1
-    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m, max_tokens)
-    # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
-    cut = np.r_[0, np.cumsum(np.bincount(np.repeat(np.arange(k), np.diff(starts)) * m
-                                         + bin_of, minlength=k * m))].tolist()
-    items, slots, starts = by_rank.tolist(), slot_of.tolist(), starts.tolist()
-    size_l, cost_l = (sizes.tolist(), cost.tolist()) if not ok.all() else (None, None)
-    out = []
-    for r in range(k):
-        if not ok[r]:
-            bins = first_fit_decreasing(items[starts[r]:starts[r + 1]], size_l, m, max_tokens)
-            if bins is None:
-                return None
-            out.append(order_slots(bins, cost_l))
-            continue
-        u = r * m
-        out.append([items[cut[u + j]:cut[u + j + 1]] for j in slots[r]])
-    return out
-
-
-def first_fit_decreasing(items, size, m, cap) -> Optional[list]:
-    bins, free = [[] for _ in range(m)], [cap] * m
-    for i in sorted(items, key=lambda i: -size[i]):
-        for b in range(m):
-            if free[b] >= size[i]:
-                bins[b].append(i)
-                free[b] -= size[i]
-                break
-        else:
-            return None
-    return bins
-
-
-def order_slots(bins, cost) -> list:
-    """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
-    drain (``kernels.packing.slot_order``). The others keep their order."""
-    c = np.array([sum(map(cost.__getitem__, b)) for b in bins])
-    return [bins[j] for j in kernels.packing.slot_order(c)]
-
-
-def fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
-    """[dp][m] lists of segment indices: the sequential bins (``packing.sequential_plan``'s:
-    they fit whenever the baseline fits) assigned to ranks by LPT on cost
-    (``kernels.packing.lpt_ranks``, room for m a rank), each rank's in ``order_slots``."""
-    bins = sequential_bins(sizes, max_tokens)
-    if len(bins) > dp * m:
-        raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
+def fallback_bins(sizes, cost, dp, m, max_tokens) -> tuple:
+    """(items, counts [dp, m]): the sequential bins (``packing.sequential_plan``'s: they fit
+    whenever the baseline fits) assigned to ranks by LPT on cost (``kernels.packing.lpt_ranks``,
+    room for m a rank), each rank's in slot order (``kernels.packing.slot_orders``)."""
+    starts = kernels.packing.sequential_starts(sizes, max_tokens)
+    if starts.size > dp * m:
+        raise BatchingError(f"{sizes.size} segments need {starts.size} micro-batches of "
                             f"{max_tokens} tokens even packed in order; expected at most "
                             f"dp x m = {dp * m}")
-    bins += [[] for _ in range(dp * m - len(bins))]
-    bcost = np.array([sum(cost[i] for i in b) for b in bins], dtype=np.float64)
+    counts = np.diff(np.r_[starts, np.full(dp * m + 1 - starts.size, sizes.size)])  # 0 past
+    # each bin's cost added in order, uncompensated (what sum() of numpy floats gives)
+    bcost = np.bincount(np.repeat(np.arange(dp * m), counts), weights=cost, minlength=dp * m)
     rank_of = kernels.packing.lpt_ranks(bcost, np.ones(dp * m, dtype=np.int64), np.arange(dp * m),
                                         *cost_ranks(bcost), dp, m)
-    per_rank = [[] for _ in range(dp)]
-    for j in np.argsort(-bcost, kind="stable").tolist():     # in the LPT's order
-        per_rank[rank_of[j]].append(bins[j])
-    cost_l = cost.tolist()
-    return [order_slots(b, cost_l) for b in per_rank]
+    order = np.argsort(-bcost, kind="stable")                 # the LPT's order, by rank
+    mine = order[np.argsort(rank_of[order], kind="stable")].reshape(dp, m)
+    return in_slots(*take_runs(np.arange(sizes.size), counts, mine), cost)
+
+
+def in_slots(items: np.ndarray, counts: np.ndarray, cost: np.ndarray) -> tuple:
+    """(items, counts [dp, m]) with each rank's micro-batches in slot order: the cheapest first,
+    the second cheapest last (they bound 1F1B's fill and drain), the others as they were
+    (``kernels.packing.slot_orders``; a micro-batch's cost the ``sum()`` of its items')."""
+    dp, m = counts.shape
+    c = kernels.packing.py_sums(cost, items, offsets_of(counts.reshape(-1))).reshape(dp, m)
+    return take_runs(items, counts, kernels.packing.slot_orders(c) + np.arange(dp)[:, None] * m)
 
 
 def sensitivity_key(sensitivity) -> Callable:

@@ -8,6 +8,7 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Optional, Sequence
 
 import numpy as np
@@ -93,8 +94,9 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
         sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=max_tokens, dp=dp,
         empty_groups=empty_groups,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
-    stops = any(not g for mb in groups for g in mb)
-    per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
-    plan = finish_plan(per_rank, "dp_balanced", max_tokens, n_split, stops, arr,
+    cells = [mb[r] for r in range(dp) for mb in groups]           # rank-major, in slot order
+    counts = np.array([len(c) for c in cells], dtype=np.int64).reshape(dp, len(groups))
+    items = idx[np.fromiter(chain.from_iterable(cells), np.int64, int(counts.sum()))]
+    plan = finish_plan(items, counts, "dp_balanced", max_tokens, n_split, not counts.all(), arr,
                        sizes.astype(np.float64))
     return plan.with_length_multiple(1)

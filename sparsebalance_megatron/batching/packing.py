@@ -20,6 +20,7 @@ from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
 from .plan import (BatchingError, BatchPlan, check_fits, check_int, check_long_sample_policy,
                    check_rank, checked_segments, finish_plan, split_long)
+from .segments import take_runs
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -75,21 +76,13 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    bounds = np.append(starts, sizes.size)          # bin k holds items bounds[k]:bounds[k + 1]
-    if rank is not None:                  # its bins rank, dp + rank, ... (none past the last)
-        b = np.minimum(rank + dp * np.arange(m), starts.size)
-        lo, hi = bounds[b], bounds[np.minimum(b + 1, starts.size)]
-        items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
-        counts = (hi - lo).astype(np.int64)
-        cost = np.array([float(sizes[items].sum())])
-        return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
-                                  n_split, False, cost, sizes=sizes)
-    bin_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
-    rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
-    unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
-    items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
-    return BatchPlan.of_items(arr, items, counts, dp, m, "sequential", max_tokens, n_split,
-                              False, rank_cost, sizes=sizes)
+    # rank r's bins r, dp + r, ...; past the last, an empty one (bin ``starts.size``)
+    bins = np.minimum(np.arange(dp)[:, None] + dp * np.arange(m), starts.size)
+    n = sizes.size
+    items, counts = take_runs(np.arange(n), np.diff(np.r_[starts, n, n]),
+                              bins if rank is None else bins[rank:rank + 1])
+    return finish_plan(items, counts, "sequential", max_tokens, n_split, False, arr,
+                       sizes.astype(np.float64))
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -99,14 +92,15 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
     arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
                                           long_sample_policy)
     tokens = sizes.astype(np.float64)
-    bins = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
-                         max_tokens=max_tokens, seed=seed,
-                         key=lambda ids, lengths: np.zeros(lengths.size)).units().bins
-    if bins is None:            # Megatron's sequential bins, as they are (each rank's tokens)
+    u = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
+                      max_tokens=max_tokens, seed=seed,
+                      key=lambda ids, lengths: np.zeros(lengths.size)).units()
+    if not u.fits:              # Megatron's sequential bins, as they are (each rank's tokens)
         seq = sequential_plan(arr, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
         return replace(seq, method="token_balanced", num_split_samples=n_split, fallback=True)
-    return finish_plan(bins, "token_balanced", max_tokens, n_split, False, arr, tokens)
+    return finish_plan(u.items, u.counts, "token_balanced", max_tokens, n_split, False, arr,
+                       tokens)
 
 
 def sab_plan(samples, **kw) -> BatchPlan:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Optional
 
 import numpy as np
 
@@ -37,7 +36,9 @@ class LongSampleError(BatchingError):
 
 @dataclass
 class BatchPlan:
-    """A global batch laid out as ``micro_batches[dp_rank][slot]`` lists of segments."""
+    """A global batch laid out as ``micro_batches[dp_rank][slot]`` lists of segments, held as
+    one CSR from the start: the segments [n, 3] rank-major in slot order and each micro-batch's
+    count (a packer's ``SegmentRows``, or nested lists walked once when the plan is made)."""
 
     micro_batches: list            # [dp][m] -> list[Segment]
     method: str                    # "sequential" | "token_balanced" | "sab" | "dp_balanced"
@@ -52,6 +53,18 @@ class BatchPlan:
     # derived arrays (unit_csr, flat_lengths), computed once: a plan is not changed once made
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        mbs = self.micro_batches
+        if isinstance(mbs, SegmentRows):
+            segments, offsets = mbs.segments, mbs.offsets
+        else:
+            counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
+            segments = np.fromiter(chain.from_iterable(chain.from_iterable(chain.from_iterable(
+                mbs))), dtype=np.int64, count=3 * int(counts.sum())).reshape(-1, 3)
+            offsets = offsets_of(counts)
+        self._cache.update({("csr", False): (offsets, segments[:, 2] - segments[:, 1]),
+                            "segments": segments})
+
     def __getstate__(self) -> dict:
         """Pickled as arrays: the segments [n, 3] and each micro-batch's count, not a Python
         object per segment (the planner process sends the plan back at every step), and
@@ -64,51 +77,35 @@ class BatchPlan:
 
     def __setstate__(self, state: dict) -> None:
         """The micro-batches as ``SegmentRows`` (a rank's lists made when first read) over the
-        arrays, which also serve ``segment_array`` and ``unit_csr``."""
+        arrays."""
         segments, counts, dp, m = state.pop("_packed")
         self.__dict__.update(state)
-        offsets = offsets_of(counts)
-        self.micro_batches = SegmentRows(segments, offsets, dp, m)
-        self._primed(offsets, segments[:, 2] - segments[:, 1], segments)
-
-    def _primed(self, offsets, lengths, segments) -> "BatchPlan":
-        """This plan with its plain CSR (``offsets``, ``lengths``) and ``segments`` array
-        cached, as the packer or the plan it comes from has them."""
-        self._cache[("csr", False)] = (offsets, lengths)
-        self._cache["segments"] = segments
-        return self
+        self.micro_batches = SegmentRows(segments, offsets_of(counts), dp, m)
+        self.__post_init__()
 
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
-        derived arrays that do not depend on the padding come along)."""
-        out = replace(self, length_multiple=check_int("length_multiple", multiple, 0))
-        out._cache.update((k, v) for k, v in self._cache.items() if k in _UNPADDED)
-        return out
+        same micro-batches, so the same arrays)."""
+        return replace(self, length_multiple=check_int("length_multiple", multiple, 0))
 
     @classmethod
     def of_items(cls, arr: np.ndarray, items: np.ndarray, counts: np.ndarray, dp: int, m: int,
-                 *args, sizes: Optional[np.ndarray] = None) -> "BatchPlan":
+                 *args) -> "BatchPlan":
         """The plan a packer made from item indices: ``items`` [n] indices of rows of ``arr``
         [N, 3] rank-major in slot order, ``counts`` [dp * m] how many each micro-batch holds,
-        ``args`` the plan's fields after the micro-batches; ``segment_array`` and ``unit_csr``
-        gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has them),
-        not walked out of the tuples."""
-        offsets, segments = offsets_of(counts), arr[items]
-        lengths = segments[:, 2] - segments[:, 1] if sizes is None else sizes[items]
-        return cls(SegmentRows(segments, offsets, dp, m), *args)._primed(offsets, lengths,
-                                                                           segments)
+        ``args`` the plan's fields after the micro-batches."""
+        return cls(SegmentRows(arr[items], offsets_of(counts), dp, m), *args)
 
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
         holds): the same segments, cost and padding, its arrays sliced from this plan's."""
         check_rank(r, self.dp)
-        m, (offsets, lengths) = self.num_microbatches, self.unit_csr()
+        m, offsets = self.num_microbatches, self.unit_csr()[0]
         lo, hi = int(offsets[r * m]), int(offsets[(r + 1) * m])
-        out = replace(self, micro_batches=[self.micro_batches[r]],
-                      predicted_rank_cost_s=None if self.predicted_rank_cost_s is None
-                      else self.predicted_rank_cost_s[r:r + 1])
-        return out._primed(offsets[r * m:(r + 1) * m + 1] - lo, lengths[lo:hi],
-                           self.segment_array()[lo:hi])
+        row = SegmentRows(self.segment_array()[lo:hi], offsets[r * m:(r + 1) * m + 1] - lo, 1, m)
+        return replace(self, micro_batches=row,
+                       predicted_rank_cost_s=None if self.predicted_rank_cost_s is None
+                       else self.predicted_rank_cost_s[r:r + 1])
 
     @property
     def dp(self) -> int:
@@ -125,16 +122,10 @@ class BatchPlan:
         (``max_tokens``, or its tokens rounded up to ``length_multiple``), as the packed
         micro-batch holds them (``data.padding_lengths``). Computed once, vectorised."""
         key = ("csr", bool(with_padding))
-        if key not in self._cache:
-            if with_padding:            # the plain CSR's lengths, padded (one pass over them)
-                plain, lengths = self.unit_csr(False)
-                lengths, counts = padded_lengths(lengths, np.diff(plain), self.max_tokens,
-                                                 self.length_multiple)
-            else:
-                mbs = self.micro_batches
-                counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
-                lengths = np.fromiter((e - s for rank in mbs for mb in rank for _, s, e in mb),
-                                      dtype=np.int64, count=int(counts.sum()))
+        if key not in self._cache:      # the padded one: the plain CSR's lengths, padded
+            plain, lengths = self.unit_csr(False)
+            lengths, counts = padded_lengths(lengths, np.diff(plain), self.max_tokens,
+                                             self.length_multiple)
             self._cache[key] = (offsets_of(counts), lengths)
         return self._cache[key]
 
@@ -164,12 +155,7 @@ class BatchPlan:
         return [seg for rank in self.micro_batches for mb in rank for seg in mb]
 
     def segment_array(self) -> np.ndarray:
-        """``segments()`` as an [n, 3] int64 array (sample id, start, end), computed once."""
-        if "segments" not in self._cache:
-            n = int(self.unit_csr()[0][-1])
-            flat = np.fromiter(chain.from_iterable(self.segments()), dtype=np.int64,
-                               count=3 * n)
-            self._cache["segments"] = flat.reshape(n, 3)
+        """``segments()`` as an [n, 3] int64 array (sample id, start, end)."""
         return self._cache["segments"]
 
 
@@ -185,27 +171,18 @@ def gathered_plan(batch, gather):
     pad[:len(seg)] = seg
     rows = gather(pad.reshape(-1)).reshape(len(counts), -1, 3).astype(np.int64)
     segments = np.concatenate([rows[r, :n] for r, n in enumerate(per_rank.tolist())])
-    return BatchPlan.of_items(segments, np.arange(len(segments)), counts.reshape(-1),
-                              *counts.shape, batch.method, batch.max_tokens,
-                              batch.num_split_samples, batch.fallback, None,
-                              batch.length_multiple)
+    return BatchPlan(SegmentRows(segments, offsets_of(counts.reshape(-1)), *counts.shape),
+                     batch.method, batch.max_tokens, batch.num_split_samples, batch.fallback,
+                     None, batch.length_multiple)
 
 
-def finish_plan(bins, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
-    """The plan of micro-batches ``bins`` ([dp][m] lists of indices of rows of ``arr``, the
-    segments' [n, 3] array: ``BatchPlan.of_items``), each rank's cost the ``sum()`` of its
-    segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
-    dp = len(bins)
-    m = len(bins[0]) if dp else 0
-    sizes = np.fromiter((len(b) for rank in bins for b in rank), np.int64, count=dp * m)
-    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
-                        count=int(sizes.sum()))
-    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(sizes.reshape(dp, m).sum(axis=1)))
-    return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split, fallback,
-                              rank_cost)
-
-
-_UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding
+def finish_plan(items, counts, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
+    """The plan of the micro-batches ``items`` (indices of rows of ``arr``, the segments' [n, 3]
+    array), ``counts`` [dp, m] of them each (``BatchPlan.of_items``), each rank's cost the
+    ``sum()`` of its segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
+    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts.sum(axis=1)))
+    return BatchPlan.of_items(arr, items, counts.reshape(-1), *counts.shape, method, max_tokens,
+                              n_split, fallback, rank_cost)
 
 
 def padded_lengths(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,

@@ -29,14 +29,14 @@ def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict,
                          f"{mine.ranks.tolist()}")
     priced = a.cost_fn is not None
     fits = bool(mine.fits)
-    nseg = sum(map(len, mine.bins[0])) if fits else 0
+    nseg = int(mine.counts.sum()) if fits else 0
     got = yield {"sum": {}, "max": {"unfit": int(not fits), "nseg": int(nseg)}}
     fallback = bool(got["unfit"])
     if not priced:
         return Agreement(fallback, None)
     if fallback:                       # every rank alike: the sequential bins, its own priced
         mine = a.fallback_units(mine.ranks)
-        got = yield {"sum": {}, "max": {"nseg": sum(map(len, mine.bins[0]))}}
+        got = yield {"sum": {}, "max": {"nseg": int(mine.counts.sum())}}
     ranks = yield from candidate_rounds(float(mine.span_s[0]), int(mine.ranks[0]), a.dp,
                                         slot_search.candidate_count())
     _, m, nv = mine.fwd_s.shape
@@ -50,12 +50,10 @@ def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict,
 
 def _row(mine: RankUnits, width: int) -> np.ndarray:
     """A candidate's row: fwd and bwd [m, stages], its calibration factors [stages], seed
-    slots [m], makespan, bin sizes [m], its segment indices, zeros up to ``width``."""
-    bins = mine.bins[0]
-    items = [i for b in bins for i in b]
+    slots [m], makespan, micro-batch sizes [m], its segment indices, zeros up to ``width``."""
     row = np.concatenate([mine.fwd_s[0].reshape(-1), mine.bwd_s[0].reshape(-1),
-                          mine.scale[0], mine.slots[0], mine.span_s[:1],
-                          [len(b) for b in bins], items])
+                          mine.scale[0], mine.slots[0], mine.span_s[:1], mine.counts[0],
+                          mine.items])
     return np.pad(row.astype(np.float64), (0, width - row.size))
 
 
@@ -68,13 +66,10 @@ def _units(ranks: np.ndarray, rows: np.ndarray, mine: RankUnits) -> RankUnits:
     scale, at = rows[:, 2 * mn:2 * mn + nv], 2 * mn + nv
     slots = rows[:, at:at + m].astype(mine.slots.dtype)
     span = rows[:, at + m].astype(mine.span_s.dtype)
-    sizes = rows[:, at + m + 1:at + 2 * m + 1].astype(np.int64)
-    items = rows[:, at + 2 * m + 1:].astype(np.int64).tolist()
-    bins = []
-    for r in range(k):
-        cut = np.r_[0, np.cumsum(sizes[r])].tolist()
-        bins.append([items[r][cut[j]:cut[j + 1]] for j in range(m)])
-    return RankUnits(ranks, bins, True, fwd.astype(mine.fwd_s.dtype, copy=False),
+    counts = rows[:, at + m + 1:at + 2 * m + 1].astype(np.int64)
+    held = rows[:, at + 2 * m + 1:]                 # each row's items, then zeros
+    items = held[np.arange(held.shape[1]) < counts.sum(axis=1)[:, None]].astype(np.int64)
+    return RankUnits(ranks, items, counts, fwd.astype(mine.fwd_s.dtype, copy=False),
                      bwd.astype(mine.bwd_s.dtype, copy=False), slots, span, scale)
 
 

@@ -89,13 +89,23 @@ def offsets_of(counts) -> np.ndarray:
     return out
 
 
+def take_runs(items: np.ndarray, counts: np.ndarray, units: np.ndarray) -> tuple:
+    """(the runs ``units`` (any shape, read flat) of the CSR (``items``, ``counts``: every run's
+    size, any shape, read flat) laid end to end in that order, their counts in ``units``'
+    shape)."""
+    flat = np.ravel(counts)
+    want, first = flat[units.reshape(-1)], offsets_of(flat)[units.reshape(-1)]
+    idx = np.repeat(first - np.cumsum(want) + want, want) + np.arange(int(want.sum()))
+    return items[idx], want.reshape(units.shape)
+
+
 class SegmentRows(abc.Sequence):
     """``BatchPlan.micro_batches`` of an unpickled plan: rank r's [m] lists of (sample id,
     start, end) tuples made from the [n, 3] ``segments`` when first read (a rank reads its own;
     the plan's consumers read the arrays), equal to the nested lists they stand for."""
 
     def __init__(self, segments: np.ndarray, offsets: np.ndarray, dp: int, m: int):
-        self._segments, self._offsets, self._dp, self._m = segments, offsets, dp, m
+        self.segments, self.offsets, self._dp, self._m = segments, offsets, dp, m
         self._rows: dict = {}
 
     def __len__(self) -> int:
@@ -104,9 +114,9 @@ class SegmentRows(abc.Sequence):
     def __getitem__(self, r):
         r = range(self._dp)[r]
         if r not in self._rows:
-            cut = self._offsets[r * self._m:(r + 1) * self._m + 1] - self._offsets[r * self._m]
-            segs = list(map(tuple, self._segments[self._offsets[r * self._m]:
-                                                   self._offsets[(r + 1) * self._m]].tolist()))
+            cut = self.offsets[r * self._m:(r + 1) * self._m + 1] - self.offsets[r * self._m]
+            segs = list(map(tuple, self.segments[self.offsets[r * self._m]:
+                                                 self.offsets[(r + 1) * self._m]].tolist()))
             self._rows[r] = [segs[a:b] for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
         return self._rows[r]
 
@@ -114,4 +124,4 @@ class SegmentRows(abc.Sequence):
         return list(self) == list(other)
 
     def __repr__(self) -> str:
-        return f"SegmentRows(dp={self._dp}, m={self._m}, segments={len(self._segments)})"
+        return f"SegmentRows(dp={self._dp}, m={self._m}, segments={len(self.segments)})"

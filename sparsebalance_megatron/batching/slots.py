@@ -20,7 +20,6 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -104,12 +103,13 @@ def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
     as as many ranks before it in that order keep theirs. So the search over them alone makes
     the same moves as over every rank, and a rank needs only their micro-batches."""
     k = candidate_count(rounds)
-    dp = span.size
-    if dp <= 2 * k:
-        return np.arange(dp)
-    order = np.lexsort((np.arange(dp), span))                 # (makespan, rank) ascending
-    desc = np.lexsort((np.arange(dp), -span))                 # (-makespan, rank) ascending
-    return np.union1d(order[:k], desc[:k])
+    return np.arange(span.size) if span.size <= 2 * k else extremes(span, np.arange(span.size), k)
+
+
+def extremes(span: np.ndarray, ranks: np.ndarray, k: int) -> np.ndarray:
+    """The ranks (ascending) of the k smallest and the k largest makespans ``span`` of
+    ``ranks`` (ties to the lower rank)."""
+    return np.union1d(ranks[np.lexsort((ranks, span))][:k], ranks[np.lexsort((ranks, -span))][:k])
 
 
 def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
@@ -127,21 +127,6 @@ def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
         fu, bu = f64(f.reshape(k * m, nv)), f64(b.reshape(k * m, nv))
         ranks_pp = nv if pp is None else pp
         kernels.slots.rounds_pass(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu,
-                                  bu, f64(sc), (fu + bu).sum(axis=1), slots, span, _moves(m),
+                                  bu, f64(sc), (fu + bu).sum(axis=1), slots, span,
                                   (int(rounds), HEAVY_MOVES, PARTNERS, MIN_GAIN))
     return np.asarray(ranks)[slots // m] * m + slots % m, span
-
-
-@lru_cache(maxsize=64)
-def _moves(m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(insert [m, m - 1, m], neighbour [m - 1, m]) slot permutations of m slots: insert[i, k]
-    moves slot i to the k-th other position; neighbour[i] swaps slots i and i + 1."""
-    ins = np.empty((m, max(m - 1, 0), m), dtype=np.int64)
-    for i in range(m):
-        rest = [x for x in range(m) if x != i]
-        for k, j in enumerate(x for x in range(m) if x != i):
-            ins[i, k] = rest[:j] + [i] + rest[j:]
-    nb = np.tile(np.arange(m), (max(m - 1, 0), 1))
-    for i in range(m - 1):
-        nb[i, i], nb[i, i + 1] = i + 1, i
-    return ins, nb

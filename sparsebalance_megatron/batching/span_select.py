@@ -24,6 +24,8 @@ from typing import Generator
 
 import numpy as np
 
+from .slots import extremes
+
 BINS = 64           # histogram bins a refinement round splits an end's boundary into
 GATHERED = 32       # an end's members gathered once at most this many
 SLOTS = 256         # hash slots of a gather round (members placed, 2 x GATHERED at most)
@@ -116,8 +118,4 @@ def candidate_rounds(span: float, rank: int, dp: int, k: int
         if not (rows[:, 0] > 1).any():
             break
         salt += 1
-    ranks = np.array(sorted(placed), dtype=np.int64)
-    spans = np.array([placed[r] for r in ranks.tolist()])
-    low = ranks[np.lexsort((ranks, spans))][:k]
-    high = ranks[np.lexsort((ranks, -spans))][:k]
-    return np.union1d(low, high)
+    return extremes(np.array(list(placed.values())), np.array(list(placed), dtype=np.int64), k)

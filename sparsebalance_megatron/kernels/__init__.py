@@ -57,11 +57,11 @@ def i64(a) -> np.ndarray:
     return contiguous(a, np.int64)
 
 
-def warm_up() -> None:
+def warm_up(rooms=ROOMS) -> None:
     """Compile every room's kernels (or load them from numba's disk cache) with the argument
     types a draft passes: the planner process does it before it says it is ready, so a run
-    pays it at start-up, not in its first step's draft."""
-    for room in ROOMS:
+    pays it at start-up, not in its first step's draft (``rooms``: these rooms only)."""
+    for room in rooms:
         importlib.import_module(f"{__name__}.{room}").warm_up()
 
 

@@ -13,7 +13,7 @@ import argparse
 import subprocess
 import sys
 
-from . import ROOMS
+from . import ROOMS, warm_up
 
 # seconds of one core to compile each room from an empty cache (measured on a 2-core VM,
 # 2026-11-27): only their ratios matter, to share the rooms evenly
@@ -43,10 +43,7 @@ def main(argv=None) -> int:
         p.error(f"--jobs {args.jobs}: expected at least 1")
     groups = share(args.rooms, args.jobs)
     if len(groups) == 1:
-        import importlib
-
-        for room in groups[0]:
-            importlib.import_module(f"{__package__}.{room}").warm_up()
+        warm_up(groups[0])
         return 0
     procs = [subprocess.Popen([sys.executable, "-m", __package__, "--rooms", *g]) for g in groups]
     codes = [proc.wait() for proc in procs]

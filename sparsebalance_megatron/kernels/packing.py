@@ -1,16 +1,17 @@
 """SAB's per-segment loops, compiled (``batching.assignment``): the LPT assignment of segments
-to DP ranks, each rank's cut into contiguous micro-batches and their slots; and Megatron's
-sequential fill (``data.packing.sequential_bins``) and the document stream's cut into bins
-(``data.packing.GlobalBatchSampler``).
+to DP ranks, each rank's bins (its contiguous cut, else first-fit decreasing) handed on as one
+CSR, the bins' slot order; and Megatron's sequential fill (``data.packing.sequential_bins``) and
+the document stream's cut into bins (``data.packing.GlobalBatchSampler``).
 
 Every sum of costs is CPython's ``sum()`` of floats (3.12+: Neumaier's compensated sum,
-``py_sum``), so the Python fallbacks around them (``assignment.first_fit_decreasing``'s bins, the
-sequential bins' slots) weigh bins as these do.
+``py_sum``): a bin weighs what ``sum()`` of its items' costs weighs.
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
@@ -157,56 +158,66 @@ def _bins(items, lo, hi, size, cost, m, cap, balance, bin_of):
 
 
 @jit
-def _slot_order(c, out):
-    # the bins' slots by their costs c [m]: the cheapest first, the second cheapest last (ties
-    # to the lower bin), the others in their order
-    m = c.size
-    for j in range(m):
-        out[j] = j
-    if m < 3:
-        return
-    first = 0
-    for j in range(1, m):
-        if c[j] < c[first]:
-            first = j
-    last = -1
-    for j in range(m):
-        if j != first and (last < 0 or c[j] < c[last]):
-            last = j
-    s = 1
-    out[0] = first
-    for j in range(m):
-        if j != first and j != last:
-            out[s] = j
-            s += 1
-    out[m - 1] = last
+def slot_orders_pass(c, out):
+    # every row's bins in slot order by their costs c [k, m]: the cheapest first, the second
+    # cheapest last (ties to the lower bin), the others in their order
+    k, m = c.shape
+    for r in range(k):
+        row, o = c[r], out[r]
+        for j in range(m):
+            o[j] = j
+        if m < 3:
+            continue
+        first = 0
+        for j in range(1, m):
+            if row[j] < row[first]:
+                first = j
+        last = -1
+        for j in range(m):
+            if j != first and (last < 0 or row[j] < row[last]):
+                last = j
+        s = 1
+        o[0] = first
+        for j in range(m):
+            if j != first and j != last:
+                o[s] = j
+                s += 1
+        o[m - 1] = last
 
 
 @jit
-def rank_bins_pass(items, starts, size, cost, m, cap, bin_of, slot_of, ok):
-    # per rank (items[starts[r]:starts[r + 1]], by sensitivity): the bins (balanced, else
-    # unbalanced; ok[r] False: neither fits) and the slot of every bin, the cheapest first and
-    # the second cheapest last (``_slot_order``; bin costs as sum() adds them)
-    dp = starts.size - 1
-    c = np.empty(m)
-    for r in range(dp):
+def _ffd(items, lo, hi, size, m, cap, seq, bin_of):
+    # first-fit decreasing: items[lo:hi] by size descending (stable) into seq[lo:hi], each one's
+    # bin (the first with room) into bin_of[lo:hi]; False if one fits nowhere
+    neg = np.empty(hi - lo, dtype=np.int64)
+    for k in range(lo, hi):
+        neg[k - lo] = -size[items[k]]
+    free = np.full(m, cap, dtype=np.int64)
+    for j, o in enumerate(np.argsort(neg, kind="mergesort")):
+        i = items[lo + o]
+        b = 0
+        while b < m and free[b] < size[i]:
+            b += 1
+        if b == m:
+            return False
+        seq[lo + j], bin_of[lo + j] = i, b
+        free[b] -= size[i]
+    return True
+
+
+@jit
+def rank_bins_pass(items, starts, size, cost, m, cap, seq, bin_of):
+    # per rank (items[starts[r]:starts[r + 1]], by sensitivity): its contiguous cut (balanced,
+    # else unbalanced), else first-fit decreasing; its items in the bins' order into seq, each
+    # one's bin into bin_of. False where a rank fits none of them
+    for r in range(starts.size - 1):
         lo, hi = starts[r], starts[r + 1]
-        fit = _bins(items, lo, hi, size, cost, m, cap, True, bin_of)
-        if not fit:
-            fit = _bins(items, lo, hi, size, cost, m, cap, False, bin_of)
-        ok[r] = fit
-        if not fit:                  # left to the fallback: its positions in bin 0
-            for k in range(lo, hi):
-                bin_of[k] = 0
-            continue
-        k = lo
-        for j in range(m):                                   # bin j's items: a run of bin_of
-            e = k
-            while e < hi and bin_of[e] == j:
-                e += 1
-            c[j] = py_sum(cost, items, k, e)
-            k = e
-        _slot_order(c, slot_of[r])
+        seq[lo:hi] = items[lo:hi]
+        if not (_bins(items, lo, hi, size, cost, m, cap, True, bin_of)
+                or _bins(items, lo, hi, size, cost, m, cap, False, bin_of)
+                or _ffd(items, lo, hi, size, m, cap, seq, bin_of)):
+            return False
+    return True
 
 
 @jit
@@ -286,11 +297,11 @@ def sequential_starts(size: np.ndarray, cap: int) -> np.ndarray:
     return starts[:n]
 
 
-def slot_order(c: np.ndarray) -> list:
-    """The bins in slot order by their costs ``c`` [m] (``_slot_order``)."""
-    out = np.empty(c.size, dtype=np.int64)
-    _slot_order(f64(c), out)
-    return out.tolist()
+def slot_orders(c: np.ndarray) -> np.ndarray:
+    """[k, m] the bins of every row of costs ``c`` [k, m] in slot order (``slot_orders_pass``)."""
+    out = np.empty(c.shape, dtype=np.int64)
+    slot_orders_pass(f64(c), out)
+    return out
 
 
 def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -314,17 +325,17 @@ def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarra
 
 
 def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,
-              m: int, cap: int) -> tuple:
-    """Every rank's contiguous bins (balanced, else unbalanced) and their slots
-    (``rank_bins_pass``): (bin of every position of ``items`` [n], bin of every (rank, slot)
-    [dp, m], whether the rank's cut fits [dp])."""
+              m: int, cap: int) -> Optional[tuple]:
+    """Every rank's bins (``rank_bins_pass``) as a CSR: (their items, bin by bin, rank-major;
+    counts [dp, m] of every (rank, bin)), or None where some rank's items fit in none."""
+    seq, bin_of = np.empty(items.size, dtype=np.int64), np.empty(items.size, dtype=np.int64)
+    if not rank_bins_pass(i64(items), i64(starts), i64(size), f64(cost), int(m), int(cap), seq,
+                          bin_of):
+        return None
     dp = starts.size - 1
-    bin_of = np.zeros(items.size, dtype=np.int64)
-    slot_of = np.zeros((dp, m), dtype=np.int64)
-    ok = np.zeros(dp, dtype=np.bool_)
-    rank_bins_pass(i64(items), i64(starts), i64(size), f64(cost), int(m), int(cap), bin_of,
-                   slot_of, ok)
-    return bin_of, slot_of, ok
+    unit = np.repeat(np.arange(dp) * m, np.diff(starts)) + bin_of
+    return seq[np.argsort(unit, kind="stable")], np.bincount(unit, minlength=dp * m
+                                                                ).reshape(dp, m)
 
 
 def warm_up() -> None:
@@ -336,5 +347,5 @@ def warm_up() -> None:
     stream_pass(np.arange(2), np.zeros(1, dtype=np.int64), i1, one[:1], 4, np.zeros(1, np.int64),
                 np.array([2]), np.zeros(1, np.int64), np.array([-1, 0, 1, 0, 0]),
                 np.zeros((4, 3), dtype=np.int64))
-    slot_order(np.ones(3))
+    slot_orders(np.ones((1, 3)))
     py_sums(one, np.arange(2), np.array([0, 1, 2]))

@@ -44,11 +44,10 @@ def _heaviest(cost, own, k, out):
 
 
 @jit
-def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
+def rounds_pass(graph, fu, bu, sc, cost, slots, span, rules):
     # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place (``graph``:
-    # the ``Graph`` record of a rank's m micro-batches; ``moves``: its insertion and neighbour
-    # tables; ``rules``: rounds, heavy moves, partners, min gain)
-    ins, nb = moves
+    # the ``Graph`` record of a rank's m micro-batches; ``rules``: rounds, heavy moves,
+    # partners, min gain)
     rounds, heavy_moves, partners, min_gain = rules
     dp, m = slots.shape
     n_max = heavy_moves * (m - 1) + (m - 1) + 2 * partners * m
@@ -66,14 +65,18 @@ def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
         own = slots[r]
         k = 0
         for h in range(_heaviest(cost, own, heavy_moves, heavy)):
-            for j in range(m - 1):
-                for s in range(m):
-                    rows[k, s] = own[ins[heavy[h], j, s]]
+            i = heavy[h]
+            for j in range(m):                   # slot i's micro-batch to every other slot j
+                if j == i:
+                    continue
+                for s in range(m):               # the others keep their order around it
+                    t = s if s < j else s - 1
+                    rows[k, s] = own[i] if s == j else own[t if t < i else t + 1]
                 ranks[k], mate[k] = r, -1
                 k += 1
-        for j in range(m - 1):
-            for s in range(m):
-                rows[k, s] = own[nb[j, s]]
+        for j in range(m - 1):                   # neighbouring slots j, j + 1 swapped
+            rows[k, :] = own
+            rows[k, j], rows[k, j + 1] = own[j + 1], own[j]
             ranks[k], mate[k] = r, -1
             k += 1
         done = np.zeros(dp, dtype=np.bool_)      # partners: least loaded first, ties to the lower
@@ -127,6 +130,4 @@ def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     f = np.array([[2.0], [1.0]])
     rounds_pass(SAMPLE_GRAPH, f, f.copy(), np.ones((2, 1)), f[:, 0].copy(),
-                np.arange(2).reshape(2, 1), np.array([2.0, 1.0]),
-                (np.zeros((1, 0, 1), dtype=np.int64), np.zeros((0, 1), dtype=np.int64)),
-                (1, 2, 2, 1e-3))
+                np.arange(2).reshape(2, 1), np.array([2.0, 1.0]), (1, 2, 2, 1e-3))

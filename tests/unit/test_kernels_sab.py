@@ -1,15 +1,15 @@
 """SAB's and the cost tables' compiled loops (``kernels.packing``, ``kernels.slots``,
 ``kernels.features``, ``kernels.grid.unit_tables``), each run in its Python form (``py_func``)
 and compiled, on small cases, against brute-force oracles written here: the LPT as every rank
-looked at for every item, a rank's contiguous cut as the rule it states, the slots and the
-sequential fill as Python's own sort and loop, a slot-search round as every move simulated,
-the run sums and tables as numpy's."""
+looked at for every item, a rank's contiguous cut as the rule it states (then first-fit
+decreasing), the slots and the sequential fill as Python's own sort and loop, a slot-search
+round as every move simulated, the run sums and tables as numpy's."""
 
 import numpy as np
 import pytest
 
 from sparsebalance_megatron.kernels import features, grid, packing, slots
-from sparsebalance_megatron.batching.slots import HEAVY_MOVES, MIN_GAIN, PARTNERS, _moves
+from sparsebalance_megatron.batching.slots import HEAVY_MOVES, MIN_GAIN, PARTNERS
 from sparsebalance_megatron.sim.pipeline import event_graph, pipeline_makespan_s
 
 FORMS = pytest.mark.parametrize("form", ["python", "compiled"])
@@ -116,13 +116,32 @@ def _cut_oracle(items, size, cost, m, cap, balance):
     return bins + [[] for _ in range(m - len(bins))]
 
 
+def _ffd_oracle(items, size, m, cap):
+    """First-fit decreasing: the items by size, largest first (Python's stable sort), each into
+    the first bin with room; None where one fits nowhere."""
+    bins, free = [[] for _ in range(m)], [cap] * m
+    for i in sorted(items, key=lambda i: -size[i]):
+        b = next((b for b in range(m) if free[b] >= size[i]), None)
+        if b is None:
+            return None
+        bins[b].append(i)
+        free[b] -= size[i]
+    return bins
+
+
 @FORMS
-def test_a_ranks_bins_are_its_contiguous_cut_in_slot_order(form):
-    """Every rank's balanced cut, else its unbalanced cut, else none (left to the fallback),
-    and the bins' slots: the cheapest first, the second cheapest last (Python's sort)."""
+def test_a_ranks_bins_are_its_contiguous_cut_else_first_fit_decreasing(form):
+    """Every rank's balanced cut, else its unbalanced cut, else first-fit decreasing, else none
+    (the pass answers False): each rank alone, and all of them in one call."""
     rng = np.random.default_rng(4)
-    seen = {"balanced": 0, "unbalanced": 0, "none": 0}
-    for case in range(120):
+    seen = {"balanced": 0, "unbalanced": 0, "ffd": 0, "none": 0}
+    run = _form(packing.rank_bins_pass, form)
+
+    def got_bins(starts, seq, bin_of, r):
+        lo, hi = starts[r], starts[r + 1]
+        return [seq[lo:hi][bin_of[lo:hi] == j].tolist() for j in range(m)]
+
+    for case in range(160):
         dp, m, cap = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(40, 200))
         n = int(rng.integers(0, dp * m * 3 + 1))
         size = rng.integers(1, cap, n).astype(np.int64)
@@ -130,29 +149,52 @@ def test_a_ranks_bins_are_its_contiguous_cut_in_slot_order(form):
         rank = np.sort(rng.integers(0, dp, n))
         starts = np.r_[0, np.cumsum(np.bincount(rank, minlength=dp))]
         items = rng.permutation(n)
-        bin_of, slot_of, ok = np.zeros(n, np.int64), np.zeros((dp, m), np.int64), \
-            np.zeros(dp, np.bool_)
-        _form(packing.rank_bins_pass, form)(items, starts, size, cost, m, cap, bin_of, slot_of,
-                                            ok)
+        want = []
         for r in range(dp):
-            mine = items[starts[r]:starts[r + 1]].tolist()
-            bins = _cut_oracle(mine, size, cost.tolist(), m, cap, True)
-            kind = "balanced" if bins else "unbalanced"
-            bins = bins or _cut_oracle(mine, size, cost.tolist(), m, cap, False)
-            assert ok[r] == (bins is not None)
-            if bins is None:
-                seen["none"] += 1
-                continue
+            mine = items[starts[r]:starts[r + 1]]
+            for kind, bins in (("balanced", _cut_oracle(mine.tolist(), size, cost.tolist(), m,
+                                                         cap, True)),
+                               ("unbalanced", _cut_oracle(mine.tolist(), size, cost.tolist(),
+                                                          m, cap, False)),
+                               ("ffd", _ffd_oracle(mine.tolist(), size.tolist(), m, cap)),
+                               ("none", None)):
+                if bins is not None:
+                    break
             seen[kind] += 1
-            c = [sum(cost[i] for i in b) for b in bins]
-            order = sorted(range(m), key=lambda j: (c[j], j))
-            want = list(range(m)) if m < 3 else \
-                [order[0]] + [j for j in range(m) if j not in order[:2]] + [order[1]]
-            assert slot_of[r].tolist() == want
-            got = [[mine[k] for k in range(len(mine)) if bin_of[starts[r] + k] == j]
-                   for j in range(m)]
-            assert got == bins
+            seq, bin_of, one = np.zeros(mine.size, np.int64), np.zeros(mine.size, np.int64), \
+                np.array([0, mine.size])
+            assert run(mine, one, size, cost, m, cap, seq, bin_of) == (bins is not None)
+            if bins is not None:
+                assert got_bins(one, seq, bin_of, 0) == bins
+            want.append(bins)
+        seq, bin_of = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        assert run(items, starts, size, cost, m, cap, seq, bin_of) == (None not in want)
+        if None not in want:
+            assert [got_bins(starts, seq, bin_of, r) for r in range(dp)] == want
     assert min(seen.values()) > 0, seen
+    for case in range(10):       # first-fit decreasing alone: long runs of equal sizes, in order
+        n, m = 300, 8
+        size, items = rng.integers(1, 5, n) * 10, rng.permutation(n)
+        cap = int(size.sum()) // m + 40
+        seq, bin_of = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        assert _form(packing._ffd, form)(items, 0, n, size, m, cap, seq, bin_of)
+        assert [seq[bin_of == j].tolist() for j in range(m)] == \
+            _ffd_oracle(items.tolist(), size.tolist(), m, cap)
+
+
+@FORMS
+def test_the_slots_put_the_cheapest_bin_first_and_the_second_cheapest_last(form):
+    """Every row's slot order: the cheapest bin first, the second cheapest last (Python's sort,
+    ties to the lower bin), the others as they were."""
+    rng = np.random.default_rng(6)
+    for m in range(1, 7):
+        c = rng.integers(0, 4, (40, m)).astype(np.float64)      # many ties
+        out = np.zeros(c.shape, np.int64)
+        _form(packing.slot_orders_pass, form)(c, out)
+        for row, got in zip(c.tolist(), out.tolist()):
+            order = sorted(range(m), key=lambda j: (row[j], j))
+            assert got == (list(range(m)) if m < 3 else [order[0]] + [
+                j for j in range(m) if j not in order[:2]] + [order[1]]), (row, got)
 
 
 @FORMS
@@ -230,7 +272,7 @@ def test_a_slot_search_round_takes_the_best_move(form):
         best = _round_oracle(fu, bu, sc, cost, rows, span, kw["p2p_s"], kw["pp"])
         got_rows, got_span = rows.copy(), span.copy()
         _form(slots.rounds_pass, form)(event_graph(m, ranks, vp).record(kw["p2p_s"]), fu, bu,
-                                       sc, cost, got_rows, got_span, _moves(m),
+                                       sc, cost, got_rows, got_span,
                                        (1, HEAVY_MOVES, PARTNERS, MIN_GAIN))
         r = int(np.argmax(span))
         if best < span[r] * (1 - MIN_GAIN):
