@@ -159,6 +159,13 @@ TINY_MODEL = [
     "--clip-grad", "1.0", "--log-interval", "1", "--seed", "7",
 ]
 
+# Planning on a daemon thread of the rank (``--sb-planner thread``) for a run whose subject is not
+# the planner process (its start, death, stall, stop, relayed rounds, refresh, restart, exit): the
+# same plans as the default process (tests/unit/test_plan_ahead.py draws all three planners'),
+# without a fresh interpreter per rank (about 1 s of CPU each). The runs kept on the process are
+# listed in tests/README.md.
+PLANNER_THREAD = ["--sb-planner", "thread"]
+
 
 LAUNCHER = os.environ.get("SB_TEST_LAUNCHER", "fork")
 if LAUNCHER not in ("fork", "torchrun"):

@@ -17,7 +17,8 @@ import math
 
 import pytest
 
-from tests.conftest import TINY_MODEL, close, read_metrics, read_scalars, run_entry
+from tests.conftest import (PLANNER_THREAD, TINY_MODEL, close, read_metrics, read_scalars,
+                            run_entry)
 
 pytestmark = pytest.mark.distributed
 
@@ -25,11 +26,7 @@ CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
 SB = ["--sparse-balance", "--sb-density", "0.5", "--sb-min-density", "0.25",
       "--sb-block-size", "32", "--sb-tokenizer", "byte", "--sb-latency-table-force",
       "--sb-timing-source", "model", "--global-batch-size", "4", "--train-iters", "3",
-      "--sb-planner", "thread"]
-# --sb-planner thread: the same plans as the default planner process (tests/unit/test_plan_ahead.py
-# draws all three planners' plans), without a fresh interpreter per rank (about 1 s of CPU each);
-# where the planning runs is not what CP tests. The planner process runs in the suite's resumes,
-# planner faults, kernel fallback and quality-refresh runs.
+      *PLANNER_THREAD]   # where the planning runs is not what CP tests
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -36,9 +36,7 @@ def test_a_step_with_dp_balanceds_own_microbatch_count_trains(pp, tmp_path, shor
               "--sb-tokenizer", "byte", "--sb-latency-table", table, "--sb-latency-table-force",
               "--sb-timing-source", "model", "--sb-microbatch-multiple", "0",
               "--sb-stand-down", "dp_balanced", "--data-path", short_docs_jsonl,
-              # the default planner process's plans, without its interpreter per rank (about
-              # 1 s of CPU each): as in test_context_parallel_run.py
-              "--sb-planner", "thread",
+              *PLANNER_THREAD,   # where the planning runs is not what this tests
               "--sb-data-cache-dir", tmp_path / "cache", "--global-batch-size", str(gbs),
               "--train-iters", str(iters), "--eval-iters", "0"]
     run_entry(dp * pp, [*common, "--sb-metrics-file", tmp_path / "m.jsonl",

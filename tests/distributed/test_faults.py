@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +40,7 @@ def _run(tmp_path, small_jsonl, fault, extra=(), launcher="torchrun"):
 @pytest.mark.reliability(area="fault", case="an exception on rank 1 at iteration 2",
                          expect="the job ends within the bound, rank 1's traceback printed")
 def test_an_exception_on_one_rank_ends_the_job(tmp_path, small_jsonl):
-    proc, wall = _run(tmp_path, small_jsonl, "1:2:raise", launcher=None)
+    proc, wall = _run(tmp_path, small_jsonl, "1:2:raise", PLANNER_THREAD, launcher=None)
     assert proc.returncode != 0
     assert "RuntimeError: --sb-fault: injected failure on rank 1 at iteration 2" in proc.stdout
     assert wall < BOUND_S, wall
@@ -125,7 +125,9 @@ def planner_base(tmp_path_factory, small_jsonl, tiny_latency_table_pp2):
               "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
               "--sb-timing-source", "model", "--sb-straggler-rank", "1",
               "--sb-straggler-slowdown", "2"]
-    run_entry(4, [*common, "--sb-metrics-file", tmp / "base.jsonl"], cwd=tmp)
+    # planned on a thread (the same plans as the planner process): the faulty runs, whose
+    # planner processes die, stall or stop, are what the test is about
+    run_entry(4, [*common, *PLANNER_THREAD, "--sb-metrics-file", tmp / "base.jsonl"], cwd=tmp)
     return common, read_metrics(tmp / "base.jsonl")
 
 

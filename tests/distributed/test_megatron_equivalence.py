@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_MODEL, close, read_scalars, run_entry
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, close, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
-# --sb-planner thread: the default planner process's packings (tests/unit/test_plan_ahead.py draws
-# all three planners'), without its fresh interpreter per rank (about 1 s of CPU each): where the
-# planning runs is not what these equivalences test (tests/distributed/test_context_parallel_run.py)
+# planned on a thread (conftest.PLANNER_THREAD): where the planning runs is not what these
+# equivalences test
 SPARSE = ["--sb-sparse-attention", "--sb-density", "0.5", "--sb-block-size", "32",
-          "--sb-tokenizer", "byte", "--eval-iters", "0", "--sb-planner", "thread"]
+          "--sb-tokenizer", "byte", "--eval-iters", "0", *PLANNER_THREAD]
 
 
 @pytest.fixture(scope="module")

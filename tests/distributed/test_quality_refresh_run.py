@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, run_entry
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +33,10 @@ def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_ta
     refresh = [*common, "--sb-quality-refresh-interval", "2"]
     proc = run_entry(2, [*refresh, "--sb-metrics-file", tmp_path / "refresh.jsonl",
                          "--save", tmp_path / "ckpt", "--save-interval", "3"], cwd=tmp_path)
-    run_entry(2, [*common, "--sb-metrics-file", tmp_path / "plain.jsonl"], cwd=tmp_path)
+    # the run without refresh plans on a thread (the same plans as the planner process): it is
+    # what the refreshed run, whose scales reach its planner process, is compared with
+    run_entry(2, [*common, *PLANNER_THREAD, "--sb-metrics-file", tmp_path / "plain.jsonl"],
+              cwd=tmp_path)
     rows, plain = read_metrics(tmp_path / "refresh.jsonl"), read_metrics(tmp_path / "plain.jsonl")
     lines = [x for x in proc.stdout.splitlines() if "quality refresh at iteration" in x]
     assert [int(re.search(r"iteration (\d+):", x).group(1)) for x in lines] == [2, 4], lines
@@ -105,7 +108,8 @@ def test_refresh_over_two_data_parallel_ranks(tmp_path, small_jsonl, analytic_la
     proc = run_entry(2, [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
                          "--train-iters", "3", "--sb-latency-table", analytic_latency_table_pp1,
                          "--sb-latency-table-force", "--sb-quality-refresh-interval", "2",
-                         "--sb-metrics-file", tmp_path / "m.jsonl"], cwd=tmp_path)
+                         *PLANNER_THREAD, "--sb-metrics-file", tmp_path / "m.jsonl"],
+                     cwd=tmp_path)
     rows = read_metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows if "quality_refresh_s" in r] == [2]
     line = next(x for x in proc.stdout.splitlines() if "quality refresh at iteration 2" in x)

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, run_entry
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -133,7 +133,7 @@ def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
               "--pipeline-model-parallel-layout", "Ett|t|t|L", "--data-path", small_jsonl,
               "--global-batch-size", "4", "--train-iters", "3", "--sb-latency-table",
               analytic_latency_table_pp2, "--sb-latency-table-force", "--sb-timing-source",
-              "model"]
+              "model", *PLANNER_THREAD]
     run_entry(2, [*common, "--sb-metrics-file", metrics, "--save", tmp_path / "ckpt",
                   "--save-interval", "2"], cwd=tmp_path)
     rows = read_metrics(metrics)

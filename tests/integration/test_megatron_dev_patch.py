@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_megatron_hooks import BUILD_ARGS, _megatron_args
-from tests.conftest import run_python
+from tests.conftest import PLANNER_THREAD, run_python
 from tests.integration.test_megatron_patch import parse_patch, pre_image, run_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,7 +227,7 @@ def _pretrain(tmp_path: Path, mode: str, table: Path, data: Path) -> subprocess.
              "--sparse-balance", "--sb-block-size", "64", "--sb-density", "0.5",
              "--sb-tokenizer", "byte", "--sb-data-cache-dir", str(tmp_path / "cache"),
              "--sb-latency-table", str(table), "--sb-latency-table-force",
-             "--sb-timing-source", "model", "--sb-dense-below-tokens", "0"]
+             "--sb-timing-source", "model", "--sb-dense-below-tokens", "0", *PLANNER_THREAD]
     return run_python([script, mode, *argv], cwd=tmp_path, env=env, timeout=400)
 
 
