@@ -16,7 +16,6 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..kernels.descent import SCALE
 from ..kernels.records import NO_START, Tables
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts
@@ -43,15 +42,14 @@ class DescentSetup(NamedTuple):
     base: np.ndarray
 
     def simulate(self, idx: np.ndarray) -> tuple:
-        """(fwd and bwd seconds [dp, m, nv], event durations and earliest finishes [E, dp],
-        makespans [dp]) of the plan at grid indices ``idx`` [dp, m, nv] (``UnitCosts.at``'s
-        gathers, ``EventGraph``'s simulation)."""
+        """(the ``kernels.descent.Plan``, makespans [dp]) of the plan at grid indices ``idx``
+        [dp, m, nv] (``UnitCosts.at``'s gathers, ``EventGraph``'s simulation)."""
         at = self.base + idx
         f, b = self.tables.fwd.take(at), self.tables.bwd.take(at)
         dur = self.graph.durations(f, b)
         ef = np.empty(dur.shape)
         kernels.graph.earliest_finish(self.record, dur, np.arange(dur.shape[1]), ef, NO_START)
-        return f, b, dur, ef, self.graph.makespan(ef)
+        return self.rnd.plan(dur, ef, f, b, idx), self.graph.makespan(ef)
 
 
 def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> DescentSetup:
@@ -79,42 +77,33 @@ def descend_at(setup: DescentSetup, idx: np.ndarray, raise_headroom: float, meet
     Only what a round can change is searched and simulated (a unit off every path longer than
     T' keeps its density; a DP rank none of whose units moves keeps its simulation). ``goal``:
     no round asks for a step below it, and the descent stops there (0: none)."""
-    tables, rnd, t_min = setup.tables, setup.rnd, setup.t_min
+    rnd, t_min = setup.rnd, setup.t_min
     rnd.plan_changed()                  # a fresh round: no pick or look-up of another plan
-    f, b, dur, ef, mk = setup.simulate(idx)
+    plan, mk = setup.simulate(idx)
     step, eta = float(mk.max()), ETA_START
     for _ in range(ROUNDS):
         if eta < ETA_MIN or step <= goal:
             break
         target = max(step * (1.0 - eta), goal)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
-        now = rnd.plan(dur, ef, f, b, idx)
-        fits, shed = rnd.cut(now, t_min, target)
+        fits, shed = rnd.cut(plan, t_min, target)
         if not fits.all():                                           # T' out of reach: ask less
             eta /= 2
             continue
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = target * (1.0 - raise_headroom)
-        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = rnd.after_cut(now, mk, shed, deadline)
+        cut = rnd.after_cut(plan, mk, shed, deadline)
         if floors_at is not None:       # the round's best plan is below it: nothing will do
-            top = cut.copy()
-            np.put(top, up, first)
-            if not floors_at(top):
+            top = cut.plan.idx.copy()
+            top[cut.up] = cut.first
+            if not floors_at(top.reshape(idx.shape)):
                 eta /= 2
                 continue
-        limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15          # beta 0 holds
-        ranks, mk_p, dur_p, ef_p, raised = rnd.raise_fit(dur1, up, first, t1, cap,
-                                                         cut.reshape(-1), limit)
-        new, mk_new = cut.copy(), mk_cut.copy()
-        np.put(new, up, raised)
-        mk_new[ranks] = mk_p
-        new_step = float(mk_new.max())
-        if new_step < step * (1 - 1e-9) and meets_at(new):
-            np.put(f1, up, tables.fwd.take(up * tables.g + raised))
-            np.put(b1, up, tables.bwd.take(up * tables.g + raised))
-            dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
-            rnd.plan_changed(new.reshape(-1) == idx.reshape(-1))
-            idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
+        new, mk_new = rnd.raise_fit(cut, deadline)
+        new_step, new_idx = float(mk_new.max()), new.idx.reshape(idx.shape)
+        if new_step < step * (1 - 1e-9) and meets_at(new_idx):
+            rnd.plan_changed(new.idx == plan.idx)
+            idx, plan, step, mk = new_idx, new, new_step, mk_new
             eta = min(eta * 1.5, ETA_MAX)
         else:
             eta /= 2

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.descent import SCALE
 from .critical_path import ROUNDS, descend_at, descent_floors, descent_setup
 
 PROBES = 64               # the descent's probe steps ...
@@ -110,23 +109,17 @@ class RankProbes:
         what the central rounds give a rank off the critical path. (grid indices, makespan)."""
         setup, deadline = self.setup, target * (1.0 - self.s.raise_headroom)
         rnd = setup.rnd                                  # a fill's every round resets it
-        f, b, dur, ef, mk = setup.simulate(idx)
+        plan, mk = setup.simulate(idx)
         for _ in range(ROUNDS):
             rnd.plan_changed()
-            now = rnd.plan(dur, ef, f, b, idx)
-            cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
-                now, mk, rnd.cut(now, setup.t_min, target)[1], deadline)
-            if not up.size:
+            cut = rnd.after_cut(plan, mk, rnd.cut(plan, setup.t_min, target)[1], deadline)
+            if not cut.up.size:
                 break
-            limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15
-            raised = rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), limit)[-1]
-            new = cut.copy()
-            np.put(new, up, raised)
-            if np.array_equal(new, idx):
+            new, mk_new = rnd.raise_fit(cut, deadline)
+            if np.array_equal(new.idx, plan.idx):
                 break
-            idx = new
-            f, b, dur, ef, mk = setup.simulate(idx)
-        return idx, float(mk.max())
+            plan, mk = new, mk_new
+        return plan.idx.reshape(idx.shape), float(mk.max())
 
     def _chain(self, budget, first: int = 0):
         """(probe, plan) for every probe below the start's makespan: from ``first`` on, the
