@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import contiguous, f64, i64, jit
-from .graph import earliest_finish, makespan, put_units, unit_floats
+from .graph import simulate, unit_floats
 from .grid import highest_within, row_of
 from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Fill, Graph, Tables
 
@@ -183,17 +183,6 @@ def _fill_columns(t, rows_of, fill, rows, lo, hi, limit, search, iters):
 
 
 @jit
-def _simulate(graph, tables, units, idx, rows, mk, dur, ef):
-    # the rows' units at grid indices idx[i] (units[rows[i] mod dp]) simulated into columns i
-    # of dur and ef [E, rows], their makespans into mk
-    for i in range(rows.size):
-        put_units(graph, tables, units[rows[i] % units.shape[0]], idx[i], dur, i)
-    earliest_finish(graph, dur, np.arange(rows.size), ef, np.empty((0, 0)))
-    for i in range(rows.size):
-        mk[i] = makespan(graph.last, ef, i)
-
-
-@jit
 def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters, out):
     # every row's cut from grid indices ``cur``: each load unit (the row's rank r mod dp, a
     # stage q) sheds the seconds its busy time ``busy[r mod dp, q]`` is above the row's band
@@ -225,7 +214,7 @@ def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters,
                       rows_of.down[r % dp], i_min, False, idx[r])
     _fill_columns(t, rows_of, fill, rows, np.full((nr, slots, pp), i_min), idx, limit, search,
                   iters)
-    _simulate(graph, tables, units, idx, rows, mk, dur, ef)
+    simulate(graph, tables, units, idx, rows, mk, dur, ef)
     for r in range(nr):
         for q in range(pp):
             acc = 0.0
@@ -268,7 +257,7 @@ def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max,
             search[i, q] = not at_top <= limit[i, q]
     _fill_columns(t, rows_of, fill, rows, cur, trial, limit, search, iters)
     n_ev = graph.prev.size
-    _simulate(graph, tables, units, trial, rows, mk, np.empty((n_ev, nr)), np.empty((n_ev, nr)))
+    simulate(graph, tables, units, trial, rows, mk, np.empty((n_ev, nr)), np.empty((n_ev, nr)))
 
 
 class BandPass:

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import f64, jit
-from .graph import earliest_finish, makespan, unit_floats
+from . import i64, jit
+from .graph import earliest_finish, makespan, simulate, unit_floats
 from .grid import highest_within, seconds, source, total
 from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
 
@@ -276,11 +276,15 @@ def raise_round(graph, tables, cut, i_max, limit_s):
 class Round:
     """A descent's compiled round phases on one step's graph and cost tables (a unit's seconds
     computed by their formula where they carry one), for plans of ``shape`` [dp, m, nv] within
-    grid indices [i_min, i_max]."""
+    grid indices [i_min, i_max]. A caller that descends many times on the same costs
+    (``policy.dst_probes``: a rank's ~25 descents and its fills) makes it once."""
 
     def __init__(self, graph: Graph, tables: Tables, shape: tuple, i_min: int, i_max: int):
         self.graph, self.tables = graph, tables
         self.shape, self.i_min, self.i_max = shape, int(i_min), int(i_max)
+        # every unit's offset in the flat tables [dp, m, nv], and its seconds at i_min (flat)
+        self.base = np.arange(int(np.prod(shape))).reshape(shape) * tables.g
+        self.t_min = tables.tot.take(self.base.reshape(-1) + self.i_min)
         # no look-up and no pick known (the kernels read ``_was``, never write it: shared)
         self._none = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
                       np.full(shape[0], -1, dtype=np.int64))
@@ -299,13 +303,16 @@ class Round:
         keep = same[on]
         self._was = (on[keep], np.ascontiguousarray(at[:, keep]), self._none[2])  # no pick
 
-    @staticmethod
-    def plan(dur, ef, f, b, idx) -> Plan:
-        """The ``Plan`` record of a plan's grid indices ``idx`` and seconds ``f``, ``b``
-        [dp, m, nv] simulated as ``dur``, ``ef`` [E, dp]."""
-        return Plan(f64(dur), f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1))
+    def simulate(self, idx) -> tuple:
+        """(the ``Plan``, makespans [dp]) of the plan at grid indices ``idx`` [dp, m, nv]."""
+        dp, n_ev, idx = self.shape[0], self.graph.prev.size, i64(idx)
+        mk, dur, ef = np.empty(dp), np.empty((n_ev, dp)), np.empty((n_ev, dp))
+        simulate(self.graph, self.tables, self.base, idx, np.arange(dp), mk, dur, ef)
+        at = (self.base + idx).reshape(-1)
+        return Plan(dur, ef, self.tables.fwd.take(at), self.tables.bwd.take(at),
+                    idx.reshape(-1)), mk
 
-    def cut(self, plan: Plan, t_min, target: float) -> tuple:
+    def cut(self, plan: Plan, target: float) -> tuple:
         """(whether every searched rank fits, the cut ``after_cut`` takes): ``cut_round``'s
         answers but its look-ups and picks, which it keeps: until
         ``plan_changed`` the next call is on the same plan at a higher target (a round given up
@@ -313,8 +320,8 @@ class Round:
         here, which fits there too (a unit on a path longer than the higher target is on one
         here and cuts the same way; the makespans fall with the fraction): a cold search's
         answers."""
-        fits, cut, at, by_rank = cut_round(self.graph, self.tables, plan, t_min, float(target),
-                                           self.i_min, self._was)
+        fits, cut, at, by_rank = cut_round(self.graph, self.tables, plan, self.t_min,
+                                           float(target), self.i_min, self._was)
         self._was = (cut[0], at, by_rank)
         return fits, cut
 
@@ -334,10 +341,9 @@ class Round:
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    graph, t, ones = SAMPLE_GRAPH, SAMPLE_TABLES, np.ones((2, 1))
-    plan = Round.plan(ones, ones, np.ones(1), np.ones(1), np.ones(1, dtype=np.int64))
+    t = SAMPLE_TABLES
     formula = (np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True)
     for tables in (t, Tables.of(t.fwd, t.bwd, t.tot, formula)):
-        rnd = Round(graph, tables, (1, 1, 1), 0, tables.g - 1)
-        rnd.raise_fit(rnd.after_cut(plan, np.ones(1), rnd.cut(plan, np.ones(1), 1.0)[1], 1.0),
-                      1.0)
+        rnd = Round(SAMPLE_GRAPH, tables, (1, 1, 1), 0, tables.g - 1)
+        plan, mk = rnd.simulate(np.ones((1, 1, 1)))
+        rnd.raise_fit(rnd.after_cut(plan, mk, rnd.cut(plan, 1.0)[1], 1.0), 1.0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .critical_path import ROUNDS, descend_at, descent_floors, descent_setup
+from .critical_path import ROUNDS, descend_at, descent_floors, descent_round
 
 PROBES = 64               # the descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -53,8 +53,8 @@ class RankProbes:
             costs, costs.attn_work, settings, qsum, start, steps
         self.i0, i_min, i_max = bounds
         self.floor, self.stage_floor = descent_floors(settings)
-        # the graph, tables and round every descent and fill of the rank share
-        self.setup = descent_setup(costs, i_min, i_max, settings.p2p_s)
+        # the compiled round every descent and fill of the rank share
+        self.rnd = descent_round(costs, i_min, i_max, settings.p2p_s)
 
     def _record(self, idx, mk: float) -> tuple:
         """(effective grid indices, makespan, kept work by stage, quality sum) of a plan."""
@@ -107,12 +107,11 @@ class RankProbes:
         """The descent's raise (``kernels.descent.Round``'s, after a cut that finds nothing)
         with a fixed ``target``, on the rank at or below it, in rounds until nothing moves:
         what the central rounds give a rank off the critical path. (grid indices, makespan)."""
-        setup, deadline = self.setup, target * (1.0 - self.s.raise_headroom)
-        rnd = setup.rnd                                  # a fill's every round resets it
-        plan, mk = setup.simulate(idx)
+        rnd, deadline = self.rnd, target * (1.0 - self.s.raise_headroom)
+        plan, mk = rnd.simulate(idx)
         for _ in range(ROUNDS):
-            rnd.plan_changed()
-            cut = rnd.after_cut(plan, mk, rnd.cut(plan, setup.t_min, target)[1], deadline)
+            rnd.plan_changed()                           # a fill's every round resets it
+            cut = rnd.after_cut(plan, mk, rnd.cut(plan, target)[1], deadline)
             if not cut.up.size:
                 break
             new, mk_new = rnd.raise_fit(cut, deadline)
@@ -151,7 +150,7 @@ class RankProbes:
             return True                       # later round is kept too
 
         def descend(start, goal):
-            new, step = descend_at(self.setup, start[0], s.raise_headroom,
+            new, step = descend_at(self.rnd, start[0], s.raise_headroom,
                                    (lambda i: True) if lim is None else meets_at,
                                    None if lim is None else floors_at, goal=goal)
             if not step < start[1]:

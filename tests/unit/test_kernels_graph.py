@@ -165,7 +165,7 @@ def test_a_descent_cut_is_every_fraction_simulated(form, by_formula):
     ef = g.earliest_finish(dur, 1e-3)
     mk = g.makespan(ef)
     t_min = tables.tot[np.arange(dp * n) * 6]
-    plan = descent.Round.plan(dur, ef, f, b, idx)
+    plan = descent.Plan(dur, ef, f, b, idx)
     none = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.full(dp, -1, np.int64))
     seen = set()
     for target in (float(mk.min()) * 0.99, float(mk.max()) * 0.3):
