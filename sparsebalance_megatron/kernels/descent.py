@@ -114,8 +114,9 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
     # search (every candidate below a is over, every one from z fits; the first tried is the
     # middle, or candidate 0 with probe_first, where it usually fits), the ranks' searches
     # stepped together; ``at`` [k, units]: each unit's grid index at each candidate (-1: not
-    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans, the
-    # picks' durations and earliest finishes [E, r], each unit's grid index at its pick)
+    # looked up, filled in place). Returns (fits, pick (0 where none fits), the picks as _put
+    # takes them: each unit's grid index at its pick, makespans, durations and earliest
+    # finishes [E, r])
     ranks, limit = sr.ranks, sr.limit
     k, r = at.shape[0], ranks.size
     fits, pick, mk, t = np.empty(r, dtype=np.bool_), np.empty(r, dtype=np.int64), \
@@ -161,7 +162,7 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
     for j in range(r):
         for u in range(sr.seg[j], sr.seg[j + 1]):
             chosen[u] = at[pick[j], u]
-    return fits, pick, mk, buf, end, chosen
+    return fits, pick, (sr.units, chosen, ranks, mk, buf, end)
 
 
 @jit
@@ -206,12 +207,12 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         for c in range(r):
             if was_pick[sr.ranks[c]] >= 0:
                 sr.z0[c] = was_pick[sr.ranks[c]]
-    fits, pick, mk, dur_p, ef_p, cut_i = first_fit(graph, tables, plan.dur, sr, at, False)
+    fits, pick, picks = first_fit(graph, tables, plan.dur, sr, at, False)
     by_rank = np.full(dp, -1, dtype=np.int64)
     for c in range(r):
         if fits[c]:
             by_rank[sr.ranks[c]] = pick[c]
-    return fits, (on, cut_i, sr.ranks, mk, dur_p, ef_p), at, by_rank
+    return fits, picks, at, by_rank
 
 
 @jit
@@ -269,8 +270,7 @@ def raise_round(graph, tables, cut, i_max, limit_s):
     at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
     for j in range(n):
         at[0, j] = cut.first[j]
-    _, _, mk, dur_p, ef_p, raised = first_fit(graph, tables, plan.dur, sr, at, True)
-    _put(tables, plan, cut.mk, (up, raised, sr.ranks, mk, dur_p, ef_p))
+    _put(tables, plan, cut.mk, first_fit(graph, tables, plan.dur, sr, at, True)[2])
 
 
 class Round:
