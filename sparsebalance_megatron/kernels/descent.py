@@ -38,14 +38,13 @@ class Plan(NamedTuple):
 class Cut(NamedTuple):
     """A round's cut as its raise reads it (``after_cut_round``): the cut ``plan`` and its
     makespans ``mk`` [dp], every unit's float at the raise's deadline (``cap``, at least 0, NaN
-    kept) and seconds ``t1``, the units the largest raise fraction can move (``up``, ascending:
-    a grid step up fits under their seconds + their whole float) and the highest grid index
-    each may take (``first``)."""
+    kept), the units the largest raise fraction can move (``up``, ascending: a grid step up
+    fits under their seconds + their whole float) and the highest grid index each may take
+    (``first``)."""
 
     plan: Plan
     mk: np.ndarray
     cap: np.ndarray
-    t1: np.ndarray
     up: np.ndarray
     first: np.ndarray
 
@@ -238,21 +237,19 @@ def after_cut_round(graph, tables, plan, mk, cut, deadline, i_max):
     new, mk_cut = Plan(plan.dur.copy(), plan.ef.copy(), plan.f.copy(), plan.b.copy(),
                        plan.idx.copy()), mk.copy()
     _put(tables, new, mk_cut, cut)
-    idx, f1, b1 = new.idx, new.f, new.b
     cap = _floats(graph, new.dur, new.ef, deadline)
-    t1 = np.empty(cap.size)
     up, first = np.empty(cap.size, dtype=np.int64), np.empty(cap.size, dtype=np.int64)
     n = 0
     for q in range(cap.size):
         x = cap[q]
         cap[q] = x if (x > 0.0 or x != x) else 0.0
-        t1[q] = f1[q] + b1[q]
-        lim, src = (t1[q] + RAISE_FRACTIONS[0] * cap[q]) * SCALE + 1e-15, source(tables, q)
-        if idx[q] < i_max and total(tables.tot, tables.work, src, idx[q] + 1) <= lim:
+        lim = (new.f[q] + new.b[q] + RAISE_FRACTIONS[0] * cap[q]) * SCALE + 1e-15
+        i, src = new.idx[q], source(tables, q)
+        if i < i_max and total(tables.tot, tables.work, src, i + 1) <= lim:
             up[n] = q                            # cut + 1 fits: the filter's test
-            first[n] = highest_within(tables.tot, tables.work, src, idx[q] + 1, i_max, lim)
+            first[n] = highest_within(tables.tot, tables.work, src, i + 1, i_max, lim)
             n += 1
-    return Cut(new, mk_cut, cap, t1, up[:n].copy(), first[:n].copy())
+    return Cut(new, mk_cut, cap, up[:n].copy(), first[:n].copy())
 
 
 @jit
@@ -264,12 +261,12 @@ def raise_round(graph, tables, cut, i_max, limit_s):
     n = up.size
     t, c, lo_u = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
-        t[j], c[j], lo_u[j] = cut.t1[up[j]], cut.cap[up[j]], plan.idx[up[j]]
+        q = up[j]
+        t[j], c[j], lo_u[j] = plan.f[q] + plan.b[q], cut.cap[q], plan.idx[q]
     sr = _search(graph, up, t, c, lo_u, np.full(n, i_max, dtype=np.int64),
                  RAISE_FRACTIONS, limit_s)
     at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
-    for j in range(n):
-        at[0, j] = cut.first[j]
+    at[0] = cut.first
     _put(tables, plan, cut.mk, first_fit(graph, tables, plan.dur, sr, at, True)[2])
 
 
