@@ -1,7 +1,8 @@
 """An event graph's two passes, compiled: the 1F1B simulator's earliest finishes and the float
 pass's latest finishes, each one loop whatever the caller's layout (every column of a step, a
-few columns of the descent's search, one column per band-pass row or slot candidate). NaN
-propagates as ``np.maximum`` / ``np.minimum`` propagate it.
+few columns of the descent's search, one column per band-pass row or slot candidate), and
+``simulate``: plans' units laid into their events, then their finishes. NaN propagates as
+``np.maximum`` / ``np.minimum`` propagate it.
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
