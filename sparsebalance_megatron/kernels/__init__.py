@@ -1,11 +1,11 @@
 """The planner's compiled kernels (numba; docs/DESIGN.md section 5, "The planner's loops run
 compiled"): one room for every pass and rule of the simulator, DST and SAB, each written once.
-Rooms: ``graph`` (an event graph's finishes and floats), ``grid`` (the grid search, the cost
-tables), ``band`` (a DST band pass), ``descent`` (a critical-path round), ``packing`` and
-``slots`` (SAB's loops), ``features`` (the latency features' run sums); ``records`` holds the
-typed records they take. A kernel is a module-level function compiled where it is defined
-(``jit``); a kernel that calls another imports it by name, so numba resolves the compiled
-callee. A room is imported on first use (``kernels.graph``).
+Rooms: ``graph`` (an event graph's finishes and floats, a plan's simulation), ``grid`` (the
+grid search, the cost tables), ``band`` (a DST band pass), ``descent`` (a critical-path round),
+``packing`` and ``slots`` (SAB's loops), ``features`` (the latency features' run sums);
+``records`` holds the typed records they take. A kernel is a module-level function compiled
+where it is defined (``jit``); a kernel that calls another imports it by name, so numba
+resolves the compiled callee. A room is imported on first use (``kernels.graph``).
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """

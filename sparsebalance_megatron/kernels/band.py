@@ -17,21 +17,21 @@ from typing import NamedTuple
 import numpy as np
 
 from . import contiguous, f64, i64, jit
-from .graph import earliest_finish, makespan, put_units, unit_floats
+from .graph import simulate, unit_floats
 from .grid import highest_within, row_of
 from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Fill, Graph, Tables
 
 
 class Rows(NamedTuple):
-    """A band pass's rows: their units' table offsets [k x dp, slots, pp], the rank-level
-    sensitivity order of the pass's moves [dp, slots, pp] (cut: ascending, raise: descending)
-    and, with the quality objective, each unit's seconds per unit of density ``b`` [dp, slots,
-    pp]; the DP ranks."""
+    """What a band pass's rows read of their DP ranks (row r is rank r mod dp's copy), each
+    [dp, slots, pp]: their units' table offsets, the sensitivity order of the cut's moves
+    (``down``: ascending) and the raise's (``up``: descending) and, with the quality objective,
+    each unit's seconds per unit of density ``b``."""
 
     units: np.ndarray
-    order: np.ndarray
+    down: np.ndarray
+    up: np.ndarray
     b: np.ndarray
-    dp: int
 
 
 @jit
@@ -173,24 +173,13 @@ def _fill_columns(t, rows_of, fill, rows, lo, hi, limit, search, iters):
     # water_fill of the (row, stage) columns marked in ``search`` [rows, pp] (those that do not
     # fit at their ``hi``), the answers written over ``hi`` ([rows, slots, pp]); ``lo`` by the
     # pass's row (lo[rows[i]])
-    units, b, dp = rows_of.units, rows_of.b, rows_of.dp
+    units, b, dp = rows_of.units, rows_of.b, rows_of.units.shape[0]
     for i in range(rows.size):
         r = rows[i]
         for q in range(units.shape[2]):
             if search[i, q]:
-                water_fill(t, units[r, :, q], b[r % dp, :, q], lo[r, :, q], hi[i, :, q],
+                water_fill(t, units[r % dp, :, q], b[r % dp, :, q], lo[r, :, q], hi[i, :, q],
                            limit[i, q], fill, q, iters, hi[i, :, q])
-
-
-@jit
-def _simulate(graph, tables, units, idx, rows, mk, dur, ef):
-    # the rows' units at grid indices idx[i] (units[rows[i]]) simulated into columns i of dur
-    # and ef [E, rows], their makespans into mk
-    for i in range(rows.size):
-        put_units(graph, tables, units[rows[i]], idx[i], dur, i)
-    earliest_finish(graph, dur, np.arange(rows.size), ef, np.empty((0, 0)))
-    for i in range(rows.size):
-        mk[i] = makespan(graph.last, ef, i)
 
 
 @jit
@@ -202,8 +191,8 @@ def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters,
     # row simulated into ``out`` (grid indices, makespans, durations and earliest finishes
     # [E, rows], busy seconds [rows, pp])
     idx, mk, dur, ef, busy1 = out
-    t, units, order, dp = tables.tot, rows_of.units, rows_of.order, rows_of.dp
-    nr, slots, pp = units.shape
+    t, units, dp = tables.tot, rows_of.units, rows_of.units.shape[0]
+    nr, slots, pp = cur.shape
     rows = np.arange(nr)
     limit = np.empty((nr, pp))
     search = np.zeros((nr, pp), dtype=np.bool_)
@@ -216,21 +205,21 @@ def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters,
             if water[r]:
                 base = 0.0
                 for s in range(slots):
-                    v = t[units[r, s, q] + cur[r, s, q]]
+                    v = t[units[r % dp, s, q] + cur[r, s, q]]
                     base = v if s == 0 else base + v
                 limit[r, q] = base - ex if ex > 0 else np.inf
                 search[r, q] = not base <= limit[r, q]
         if not water[r]:
-            moves_row(tables, units[r], cur[r], budget, rows_of.b[0], 1.0, order[r % dp], i_min,
-                      False, idx[r])
+            moves_row(tables, units[r % dp], cur[r], budget, rows_of.b[0], 1.0,
+                      rows_of.down[r % dp], i_min, False, idx[r])
     _fill_columns(t, rows_of, fill, rows, np.full((nr, slots, pp), i_min), idx, limit, search,
                   iters)
-    _simulate(graph, tables, units, idx, rows, mk, dur, ef)
+    simulate(graph, tables, units, idx, rows, mk, dur, ef)
     for r in range(nr):
         for q in range(pp):
             acc = 0.0
             for s in range(slots):
-                f = units[r, s, q] + idx[r, s, q]
+                f = units[r % dp, s, q] + idx[r, s, q]
                 v = tables.fwd[f] + tables.bwd[f]
                 acc = v if s == 0 else acc + v
             busy1[r, q] = acc
@@ -245,21 +234,20 @@ def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max,
     # alpha x slack; the others moves_row's raise
     cur, cap, slack = cut
     trial, mk = out
-    t, work, units, order, dp = tables.tot, tables.work, rows_of.units, rows_of.order, \
-        rows_of.dp
-    nr, slots, pp = rows.size, units.shape[1], units.shape[2]
+    t, work, units = tables.tot, tables.work, rows_of.units
+    dp, nr, slots, pp = units.shape[0], rows.size, units.shape[1], units.shape[2]
     limit = np.empty((nr, pp))
     search = np.zeros((nr, pp), dtype=np.bool_)
     for i in range(nr):
         r, a = rows[i], alpha[i]
         if not water[r]:
-            moves_row(tables, units[r], cur[r], slack[r], cap[r], a, order[r % dp], i_max, True,
-                      trial[i])
+            moves_row(tables, units[r % dp], cur[r], slack[r], cap[r], a, rows_of.up[r % dp],
+                      i_max, True, trial[i])
             continue
         for q in range(pp):
             tot, at_top = 0.0, 0.0
             for s in range(slots):
-                u, c = units[r, s, q], cur[r, s, q]
+                u, c = units[r % dp, s, q], cur[r, s, q]
                 t_cur = t[u + c]
                 top = highest_within(t, work, row_of(u), c, i_max, t_cur + a * cap[r, s, q])
                 trial[i, s, q] = top
@@ -269,40 +257,31 @@ def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max,
             search[i, q] = not at_top <= limit[i, q]
     _fill_columns(t, rows_of, fill, rows, cur, trial, limit, search, iters)
     n_ev = graph.prev.size
-    _simulate(graph, tables, units, trial, rows, mk, np.empty((n_ev, nr)), np.empty((n_ev, nr)))
+    simulate(graph, tables, units, trial, rows, mk, np.empty((n_ev, nr)), np.empty((n_ev, nr)))
 
 
 class BandPass:
     """What the compiled phases of one ``policy.dst_band`` pass read: the cost tables
-    (``Tables``), the event graph (``Graph``), the rows (``Rows``: units, the rank-level
-    sensitivity orders of the cut and the raise) and, with the quality objective, the
+    (``Tables``), the event graph (``Graph``), the DP ranks' ``Rows`` (units [dp, slots, pp],
+    the sensitivity orders of the cut and the raise) and, with the quality objective, the
     water-filling's gain tables (``Fill``, its shift and first laid [slots, pp]) and seconds
-    per unit of density ``b`` [dp, slots, pp]."""
+    per unit of density ``b`` [dp, slots, pp]. A pass's rows are set by the grid indices it
+    is given ([rows, slots, pp]), row r a copy of rank r mod dp."""
 
-    def __init__(self, tables: Tables, graph: Graph, units, dp: int, sens, fill: Fill = None,
-                 b=None):
+    def __init__(self, tables: Tables, graph: Graph, units, sens, fill: Fill = None, b=None):
         self.tables, self.graph = tables, graph
         units, b = i64(units), np.zeros((1, 1, 1)) if fill is None else f64(b)
-        self.down = Rows(units, i64(np.argsort(sens, axis=1, kind="stable")), b, int(dp))
-        self.up = self.down._replace(order=i64(np.argsort(-sens, axis=1, kind="stable")))
+        self.rows = Rows(units, i64(np.argsort(sens, axis=1, kind="stable")),
+                         i64(np.argsort(-sens, axis=1, kind="stable")), b)
         self.fill = fill if fill is not None else Fill.of(
             np.zeros(1), np.zeros(units.shape[1:]), np.zeros(units.shape[1:]), 0.0, 0.0)
 
-    def with_units(self, units) -> "BandPass":
-        """This pass for rows ``units`` [rows, slots, pp] (a search's passes differ in their
-        rows only)."""
-        out = object.__new__(BandPass)
-        out.__dict__.update(self.__dict__, down=self.down._replace(units=i64(units)),
-                            up=self.up._replace(units=i64(units)))
-        return out
-
     def cut(self, cur, busy, band, water, i_min: int, iters: int) -> tuple:
-        """``cut_rows``' answers (its ``out``) of every row."""
-        units = self.down.units
-        rows, n_ev = units.shape[0], self.graph.prev.size
-        out = (np.empty(units.shape, dtype=np.int64), np.empty(rows), np.empty((n_ev, rows)),
-               np.empty((n_ev, rows)), np.empty((rows, units.shape[2])))
-        cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(busy), f64(band),
+        """``cut_rows``' answers (its ``out``) of every row of ``cur``."""
+        rows, n_ev = cur.shape[0], self.graph.prev.size
+        out = (np.empty(cur.shape, dtype=np.int64), np.empty(rows), np.empty((n_ev, rows)),
+               np.empty((n_ev, rows)), np.empty((rows, cur.shape[2])))
+        cut_rows(self.graph, self.tables, self.rows, self.fill, i64(cur), f64(busy), f64(band),
                  contiguous(water, np.bool_), int(i_min), int(iters), out)
         return out
 
@@ -312,13 +291,13 @@ class BandPass:
         ``deadline[r]``."""
         cap = np.empty((dur.shape[1], self.graph.ev_f.size))
         unit_floats(self.graph, dur, ef, f64(deadline), cap)
-        return np.maximum(cap, 0.0, out=cap).reshape(self.down.units.shape)
+        return np.maximum(cap, 0.0, out=cap).reshape((dur.shape[1],)
+                                                     + self.rows.units.shape[1:])
 
     def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int) -> tuple:
         """``raise_try_rows``' answers (trial grid indices, makespans) of ``rows``."""
-        units = self.up.units
-        out = (np.empty((rows.size,) + units.shape[1:], dtype=np.int64), np.empty(rows.size))
-        raise_try_rows(self.graph, self.tables, self.up, self.fill,
+        out = (np.empty((rows.size,) + cur.shape[1:], dtype=np.int64), np.empty(rows.size))
+        raise_try_rows(self.graph, self.tables, self.rows, self.fill,
                        (i64(cur), f64(cap), f64(slack)), i64(rows), f64(alpha),
                        contiguous(water, np.bool_), int(i_max), int(iters), out)
         return out
@@ -326,8 +305,8 @@ class BandPass:
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    g, units = SAMPLE_TABLES.g, np.zeros((2, 1, 1), dtype=np.int64)
-    band = BandPass(SAMPLE_TABLES, SAMPLE_GRAPH, units, 1, np.zeros((1, 1, 1)),
+    g, units = SAMPLE_TABLES.g, np.zeros((1, 1, 1), dtype=np.int64)
+    band = BandPass(SAMPLE_TABLES, SAMPLE_GRAPH, units, np.zeros((1, 1, 1)),
                     Fill.of(np.arange(4.0), np.zeros((1, 1)), np.ones((1, 1)), 0.0, 1.0),
                     np.ones((1, 1, 1)))
     cur, water = np.ones((2, 1, 1), dtype=np.int64), np.array([True, False])

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import f64, jit
-from .graph import earliest_finish, makespan, unit_floats
+from . import i64, jit
+from .graph import earliest_finish, makespan, simulate, unit_floats
 from .grid import highest_within, seconds, source, total
-from .records import NO_START, SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
+from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
 RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
@@ -35,23 +35,30 @@ class Plan(NamedTuple):
     idx: np.ndarray
 
 
+class Cut(NamedTuple):
+    """A round's cut as its raise reads it (``after_cut_round``): the cut ``plan`` and its
+    makespans ``mk`` [dp], every unit's float at the raise's deadline (``cap``, at least 0, NaN
+    kept), the units the largest raise fraction can move (``up``, ascending: a grid step up
+    fits under their seconds + their whole float) and the highest grid index each may take
+    (``first``)."""
+
+    plan: Plan
+    mk: np.ndarray
+    cap: np.ndarray
+    up: np.ndarray
+    first: np.ndarray
+
+
 class Search(NamedTuple):
-    """A first-fit search over the units ``units`` (flat unit ids, ascending; their micro-batch
-    and stage ``mb``, ``st`` where the tables carry a formula, ``mb`` -1: read the tables) of
-    the ranks ``ranks`` (rank j's units ``seg[j]:seg[j + 1]``, at event rows ``rows_f`` /
-    ``rows_b``):
-    a unit's grid index at candidate c is the highest in [lo, hi] whose seconds are within
-    (on + fracs[c] x delta) x ``SCALE`` (a cut: delta < 0; a raise: its float); rank j's
-    makespan must be <= ``limit[j]``; ``z0[j]`` a candidate known to fit (the candidates'
-    count: none)."""
+    """A first-fit search over the units ``units`` (flat unit ids, ascending) of the ranks
+    ``ranks`` (rank j's units ``seg[j]:seg[j + 1]``): a unit's grid index at candidate c is
+    the highest in [lo, hi] whose seconds are within (on + fracs[c] x delta) x ``SCALE`` (a
+    cut: delta < 0; a raise: its float); DP rank r's makespan must be <= ``limit[r]``;
+    ``z0[j]`` a candidate known to fit (the candidates' count: none)."""
 
     units: np.ndarray
-    mb: np.ndarray
-    st: np.ndarray
     ranks: np.ndarray
     seg: np.ndarray
-    rows_f: np.ndarray
-    rows_b: np.ndarray
     on: np.ndarray
     delta: np.ndarray
     lo: np.ndarray
@@ -62,54 +69,42 @@ class Search(NamedTuple):
 
 
 @jit
-def _search(graph, tables, units, on, delta, lo, hi, fracs, limit_s):
-    # the Search of units ``units`` (ascending), all ranks' makespans limited to limit_s [dp]
-    per_rank, nv = graph.ev_f.size, tables.per_pair.shape[1]
-    n = units.size
-    mb, st = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    if tables.work.shape[0] > 0:                   # worked out once, not at every try
-        for j in range(n):
-            mb[j], st[j] = units[j] // nv, units[j] % nv
-    rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+def _search(graph, units, on, delta, lo, hi, fracs, limit):
+    # the Search of units ``units`` (ascending): their ranks' runs
+    per_rank, n = graph.ev_f.size, units.size
     ranks, seg = np.empty(n, dtype=np.int64), np.empty(n + 1, dtype=np.int64)
     r = 0
     for j in range(n):
         if r == 0 or units[j] // per_rank != ranks[r - 1]:
             ranks[r], seg[r] = units[j] // per_rank, j
             r += 1
-        local = units[j] % per_rank
-        rows_f[j], rows_b[j] = graph.ev_f[local], graph.ev_b[local]
     seg[r] = n
-    ranks, seg = ranks[:r], seg[:r + 1]
-    limit = np.empty(r)
-    for j in range(r):
-        limit[j] = limit_s[ranks[j]]
-    return Search(units, mb, st, ranks, seg, rows_f, rows_b, on, delta, lo, hi, fracs, limit,
+    return Search(units, ranks[:r], seg[:r + 1], on, delta, lo, hi, fracs, limit,
                   np.full(r, fracs.size, dtype=np.int64))
 
 
 @jit
-def _set_units(j, c, sr, tables, at, buf):
+def _set_units(j, c, graph, sr, tables, at, buf):
     # column j of buf with rank j's units at candidate c (a candidate rewrites only its units'
     # rows); a unit's grid index not looked up yet (at < 0) is searched down from an earlier
     # candidate's where one is known (the limits fall with c); its seconds computed by the
     # tables' formula where they carry one (``grid.source``)
-    fwd, bwd, tot, g, work, per_pair, fixed, corr, scaled = tables
-    units, mb, st, rows_f, rows_b, on, delta, lo, hi = sr.units, sr.mb, sr.st, sr.rows_f, \
-        sr.rows_b, sr.on, sr.delta, sr.lo, sr.hi
-    frac = sr.fracs[c]
+    units, on, delta, lo, hi, frac = sr.units, sr.on, sr.delta, sr.lo, sr.hi, sr.fracs[c]
+    per_rank = graph.ev_f.size
     for u in range(sr.seg[j], sr.seg[j + 1]):
-        src, a = source(per_pair, fixed, corr, scaled, units[u] * g, mb[u], st[u]), at[c, u]
+        src, a = source(tables, units[u]), at[c, u]
         if a < 0:
             top = hi[u]
             for c2 in range(c - 1, -1, -1):
                 if at[c2, u] >= 0:
                     top = at[c2, u]
                     break
-            a = highest_within(tot, work, src, lo[u], top,
+            a = highest_within(tables.tot, tables.work, src, lo[u], top,
                                (on[u] + frac * delta[u]) * SCALE + 1e-15)
             at[c, u] = a
-        buf[rows_f[u], j], buf[rows_b[u], j] = seconds(fwd, bwd, work, src, a)
+        local = units[u] % per_rank
+        buf[graph.ev_f[local], j], buf[graph.ev_b[local], j] = seconds(
+            tables.fwd, tables.bwd, tables.work, src, a)
 
 
 @jit
@@ -118,8 +113,9 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
     # search (every candidate below a is over, every one from z fits; the first tried is the
     # middle, or candidate 0 with probe_first, where it usually fits), the ranks' searches
     # stepped together; ``at`` [k, units]: each unit's grid index at each candidate (-1: not
-    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans, the
-    # picks' durations and earliest finishes [E, r], each unit's grid index at its pick)
+    # looked up, filled in place). Returns (fits, pick (0 where none fits), the picks as _put
+    # takes them: each unit's grid index at its pick, makespans, durations and earliest
+    # finishes [E, r])
     ranks, limit = sr.ranks, sr.limit
     k, r = at.shape[0], ranks.size
     fits, pick, mk, t = np.empty(r, dtype=np.bool_), np.empty(r, dtype=np.int64), \
@@ -137,7 +133,7 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
         for j in range(r):
             if a[j] < z[j]:
                 mid[j] = 0 if first else (a[j] + z[j]) >> 1
-                _set_units(j, mid[j], sr, tables, at, buf)
+                _set_units(j, mid[j], graph, sr, tables, at, buf)
                 cols[na] = j
                 na += 1
         first = False
@@ -146,7 +142,7 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
         earliest_finish(graph, buf, cols[:na], end, np.empty((0, 0)))
         for j in cols[:na]:
             t[j] = makespan(graph.last, end, j)
-            if t[j] <= limit[j]:                 # the last that fits is the first that fits
+            if t[j] <= limit[ranks[j]]:          # the last that fits is the first that fits
                 z[j], mk[j], held[j] = mid[j], t[j], True
             else:
                 a[j], held[j] = mid[j] + 1, False
@@ -155,7 +151,7 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
         fits[j] = a[j] < k
         pick[j] = a[j] if a[j] < k else 0
         if not held[j]:
-            _set_units(j, pick[j], sr, tables, at, buf)
+            _set_units(j, pick[j], graph, sr, tables, at, buf)
             cols[na] = j
             na += 1
     earliest_finish(graph, buf, cols[:na], end, np.empty((0, 0)))
@@ -165,7 +161,7 @@ def first_fit(graph, tables, dur, sr, at, probe_first):
     for j in range(r):
         for u in range(sr.seg[j], sr.seg[j + 1]):
             chosen[u] = at[pick[j], u]
-    return fits, pick, mk, buf, end, chosen
+    return fits, pick, (sr.units, chosen, ranks, mk, buf, end)
 
 
 @jit
@@ -195,7 +191,7 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         t[j] = plan.f[q] + plan.b[q]
         delta[j] = t_min[q] - t[j]
         hi[j] = plan.idx[q]
-    sr = _search(graph, tables, on, t, delta, np.full(n, i_min, dtype=np.int64), hi,
+    sr = _search(graph, on, t, delta, np.full(n, i_min, dtype=np.int64), hi,
                  CUT_FRACTIONS, np.full(dp, target * SCALE))
     k = CUT_FRACTIONS.size
     at = np.full((k, n), -1, dtype=np.int64)
@@ -210,79 +206,82 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         for c in range(r):
             if was_pick[sr.ranks[c]] >= 0:
                 sr.z0[c] = was_pick[sr.ranks[c]]
-    fits, pick, mk, dur_p, ef_p, cut_i = first_fit(graph, tables, plan.dur, sr, at, False)
+    fits, pick, picks = first_fit(graph, tables, plan.dur, sr, at, False)
     by_rank = np.full(dp, -1, dtype=np.int64)
     for c in range(r):
         if fits[c]:
             by_rank[sr.ranks[c]] = pick[c]
-    return fits, (on, cut_i, sr.ranks, mk, dur_p, ef_p), at, by_rank
+    return fits, picks, at, by_rank
+
+
+@jit
+def _put(tables, plan, mk, picks):
+    # a search's picks (its units, their grid indices, the ranks searched, their makespans and
+    # the picks' columns) written over ``plan`` and its makespans ``mk`` [dp]
+    units, idx, ranks, mk_p, dur_p, ef_p = picks
+    for j in range(units.size):
+        q = units[j]
+        plan.idx[q] = idx[j]
+        plan.f[q], plan.b[q] = seconds(tables.fwd, tables.bwd, tables.work, source(tables, q),
+                                       idx[j])
+    for c in range(ranks.size):
+        mk[ranks[c]] = mk_p[c]
+        plan.dur[:, ranks[c]] = dur_p[:, c]
+        plan.ef[:, ranks[c]] = ef_p[:, c]
 
 
 @jit
 def after_cut_round(graph, tables, plan, mk, cut, deadline, i_max):
-    # the cut plan (``cut``: its units, their grid indices, the ranks searched, their
-    # makespans and the picks' columns), every unit's float at the raise's deadline (at least
-    # 0, NaN kept), the units the largest raise fraction can move (a grid step up fits under
-    # their seconds + their whole float) and the highest grid index each may take
-    on, cut_i, ranks, mk_p, dur_p, ef_p = cut
-    fwd, bwd, tot, g, work, per_pair, fixed, corr, scaled = tables
-    nv, formula = per_pair.shape[1], work.shape[0] > 0
-    idx, f1, b1 = plan.idx.copy(), plan.f.copy(), plan.b.copy()
-    for j in range(on.size):
-        q, i = on[j], cut_i[j]
-        idx[q] = i
-        f1[q], b1[q] = seconds(fwd, bwd, work, source(per_pair, fixed, corr, scaled, q * g,
-                                                      q // nv if formula else -1, q % nv), i)
-    mk_cut, dur1, ef1 = mk.copy(), plan.dur.copy(), plan.ef.copy()
-    for c in range(ranks.size):
-        mk_cut[ranks[c]] = mk_p[c]
-        dur1[:, ranks[c]] = dur_p[:, c]
-        ef1[:, ranks[c]] = ef_p[:, c]
-    cap = _floats(graph, dur1, ef1, deadline)
-    t1, lim = np.empty(cap.size), np.empty(cap.size)
+    # the ``Cut`` of ``plan`` and its makespans ``mk`` (``cut``: the picks of cut_round's
+    # search) with its floats at the raise's deadline
+    new, mk_cut = Plan(plan.dur.copy(), plan.ef.copy(), plan.f.copy(), plan.b.copy(),
+                       plan.idx.copy()), mk.copy()
+    _put(tables, new, mk_cut, cut)
+    cap = _floats(graph, new.dur, new.ef, deadline)
     up, first = np.empty(cap.size, dtype=np.int64), np.empty(cap.size, dtype=np.int64)
     n = 0
     for q in range(cap.size):
         x = cap[q]
         cap[q] = x if (x > 0.0 or x != x) else 0.0
-        t1[q] = f1[q] + b1[q]
-        lim[q] = (t1[q] + RAISE_FRACTIONS[0] * cap[q]) * SCALE + 1e-15
-        src = source(per_pair, fixed, corr, scaled, q * g, q // nv if formula else -1, q % nv)
-        if idx[q] < i_max and total(tot, work, src, idx[q] + 1) <= lim[q]:
+        lim = (new.f[q] + new.b[q] + RAISE_FRACTIONS[0] * cap[q]) * SCALE + 1e-15
+        i, src = new.idx[q], source(tables, q)
+        if i < i_max and total(tables.tot, tables.work, src, i + 1) <= lim:
             up[n] = q                            # cut + 1 fits: the filter's test
-            first[n] = highest_within(tot, work, src, idx[q] + 1, i_max, lim[q])
+            first[n] = highest_within(tables.tot, tables.work, src, i + 1, i_max, lim)
             n += 1
-    up, first = up[:n].copy(), first[:n].copy()
-    return idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
+    return Cut(new, mk_cut, cap, up[:n].copy(), first[:n].copy())
 
 
 @jit
-def raise_round(graph, tables, dur, up, first, t1, cap, lo, i_max, limit_s):
-    # the raise of units ``up`` (ascending): the largest of RAISE_FRACTIONS whose plan fits
-    # each rank's limit, the first (the whole float, grid indices ``first``) tried alone
-    # first. Returns (ranks, makespans, the picks' durations and finishes, each unit's raised
-    # grid index)
+def raise_round(graph, tables, cut, i_max, limit_s):
+    # the raise of the cut's units ``up``: the largest of RAISE_FRACTIONS whose plan fits each
+    # rank's limit, the first (the whole float, grid indices ``first``) tried alone first,
+    # written over the cut's plan and makespans
+    plan, up = cut.plan, cut.up
     n = up.size
     t, c, lo_u = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
-        t[j], c[j], lo_u[j] = t1[up[j]], cap[up[j]], lo[up[j]]
-    sr = _search(graph, tables, up, t, c, lo_u, np.full(n, i_max, dtype=np.int64),
+        q = up[j]
+        t[j], c[j], lo_u[j] = plan.f[q] + plan.b[q], cut.cap[q], plan.idx[q]
+    sr = _search(graph, up, t, c, lo_u, np.full(n, i_max, dtype=np.int64),
                  RAISE_FRACTIONS, limit_s)
     at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
-    for j in range(n):
-        at[0, j] = first[j]
-    _, _, mk, dur_p, ef_p, raised = first_fit(graph, tables, dur, sr, at, True)
-    return sr.ranks, mk, dur_p, ef_p, raised
+    at[0] = cut.first
+    _put(tables, plan, cut.mk, first_fit(graph, tables, plan.dur, sr, at, True)[2])
 
 
 class Round:
     """A descent's compiled round phases on one step's graph and cost tables (a unit's seconds
     computed by their formula where they carry one), for plans of ``shape`` [dp, m, nv] within
-    grid indices [i_min, i_max]."""
+    grid indices [i_min, i_max]. A caller that descends many times on the same costs
+    (``policy.dst_probes``: a rank's ~25 descents and its fills) makes it once."""
 
     def __init__(self, graph: Graph, tables: Tables, shape: tuple, i_min: int, i_max: int):
         self.graph, self.tables = graph, tables
         self.shape, self.i_min, self.i_max = shape, int(i_min), int(i_max)
+        # every unit's offset in the flat tables [dp, m, nv], and its seconds at i_min (flat)
+        self.base = np.arange(int(np.prod(shape))).reshape(shape) * tables.g
+        self.t_min = tables.tot.take(self.base.reshape(-1) + self.i_min)
         # no look-up and no pick known (the kernels read ``_was``, never write it: shared)
         self._none = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
                       np.full(shape[0], -1, dtype=np.int64))
@@ -301,13 +300,16 @@ class Round:
         keep = same[on]
         self._was = (on[keep], np.ascontiguousarray(at[:, keep]), self._none[2])  # no pick
 
-    @staticmethod
-    def plan(dur, ef, f, b, idx) -> Plan:
-        """The ``Plan`` record of a plan's grid indices ``idx`` and seconds ``f``, ``b``
-        [dp, m, nv] simulated as ``dur``, ``ef`` [E, dp]."""
-        return Plan(f64(dur), f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1))
+    def simulate(self, idx) -> tuple:
+        """(the ``Plan``, makespans [dp]) of the plan at grid indices ``idx`` [dp, m, nv]."""
+        dp, n_ev, idx = self.shape[0], self.graph.prev.size, i64(idx)
+        mk, dur, ef = np.empty(dp), np.empty((n_ev, dp)), np.empty((n_ev, dp))
+        simulate(self.graph, self.tables, self.base, idx, np.arange(dp), mk, dur, ef)
+        at = (self.base + idx).reshape(-1)
+        return Plan(dur, ef, self.tables.fwd.take(at), self.tables.bwd.take(at),
+                    idx.reshape(-1)), mk
 
-    def cut(self, plan: Plan, t_min, target: float) -> tuple:
+    def cut(self, plan: Plan, target: float) -> tuple:
         """(whether every searched rank fits, the cut ``after_cut`` takes): ``cut_round``'s
         answers but its look-ups and picks, which it keeps: until
         ``plan_changed`` the next call is on the same plan at a higher target (a round given up
@@ -315,34 +317,30 @@ class Round:
         here, which fits there too (a unit on a path longer than the higher target is on one
         here and cuts the same way; the makespans fall with the fraction): a cold search's
         answers."""
-        fits, cut, at, by_rank = cut_round(self.graph, self.tables, plan, t_min, float(target),
-                                           self.i_min, self._was)
+        fits, cut, at, by_rank = cut_round(self.graph, self.tables, plan, self.t_min,
+                                           float(target), self.i_min, self._was)
         self._was = (cut[0], at, by_rank)
         return fits, cut
 
-    def after_cut(self, plan: Plan, mk, cut: tuple, deadline: float) -> tuple:
-        """``after_cut_round``'s answers, the plan's arrays [dp, m, nv]."""
-        idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = after_cut_round(
-            self.graph, self.tables, plan, mk, cut, float(deadline), self.i_max)
-        return (idx.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape),
-                mk_cut, dur1, ef1, cap, t1, up, first)
+    def after_cut(self, plan: Plan, mk, cut: tuple, deadline: float) -> Cut:
+        """``after_cut_round``'s ``Cut`` of ``plan`` (its makespans ``mk`` [dp])."""
+        return after_cut_round(self.graph, self.tables, plan, mk, cut, float(deadline),
+                               self.i_max)
 
-    def raise_fit(self, dur, up, first, t1, cap, lo, limit) -> tuple:
-        """``raise_round``'s answers, the ranks' makespans limited to ``limit`` [dp]."""
-        return raise_round(self.graph, self.tables, f64(dur), up, first, t1, cap, lo,
-                           self.i_max, f64(limit))
+    def raise_fit(self, cut: Cut, deadline: float) -> tuple:
+        """(the raised plan, its makespans [dp]): ``raise_round``'s, over ``cut``'s arrays,
+        each rank's makespan limited to the larger of ``deadline`` and its cut's (a rank the
+        cut left above the deadline may still fill off its critical path)."""
+        raise_round(self.graph, self.tables, cut, self.i_max,
+                    np.maximum(float(deadline), cut.mk) * SCALE + 1e-15)
+        return cut.plan, cut.mk
 
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    graph, t = SAMPLE_GRAPH, SAMPLE_TABLES
-    dur, one = np.ones((2, 1)), np.ones(1, dtype=np.int64)
-    end = np.empty((2, 1))
-    earliest_finish(graph, dur, np.arange(1), end, NO_START)
-    plan = Round.plan(dur, end, np.ones(1), np.ones(1), one)
+    t = SAMPLE_TABLES
     formula = (np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True)
     for tables in (t, Tables.of(t.fwd, t.bwd, t.tot, formula)):
-        rnd = Round(graph, tables, (1, 1, 1), 0, tables.g - 1)
-        cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
-            plan, np.ones(1), rnd.cut(plan, np.ones(1), 1.0)[1], 1.0)
-        rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), np.ones(1))
+        rnd = Round(SAMPLE_GRAPH, tables, (1, 1, 1), 0, tables.g - 1)
+        plan, mk = rnd.simulate(np.ones((1, 1, 1)))
+        rnd.raise_fit(rnd.after_cut(plan, mk, rnd.cut(plan, 1.0)[1], 1.0), 1.0)

@@ -1,7 +1,8 @@
 """An event graph's two passes, compiled: the 1F1B simulator's earliest finishes and the float
 pass's latest finishes, each one loop whatever the caller's layout (every column of a step, a
-few columns of the descent's search, one column per band-pass row or slot candidate). NaN
-propagates as ``np.maximum`` / ``np.minimum`` propagate it.
+few columns of the descent's search, one column per band-pass row or slot candidate), and
+``simulate``: plans' units laid into their events, then their finishes. NaN propagates as
+``np.maximum`` / ``np.minimum`` propagate it.
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
@@ -88,16 +89,21 @@ def unit_floats(graph, dur, ef, deadline, out):
 
 
 @jit
-def put_units(graph, tables, u, idx, dur, j):
-    """Column j of durations ``dur`` [E, *]: the forward and backward seconds of units ``u``
-    (table offsets) at grid indices ``idx`` ([slots, pp]: unit s x pp + q), read from the
-    flat ``tables``."""
-    slots, pp = u.shape
-    for s in range(slots):
-        for q in range(pp):
-            f = u[s, q] + idx[s, q]
-            dur[graph.ev_f[s * pp + q], j] = tables.fwd[f]
-            dur[graph.ev_b[s * pp + q], j] = tables.bwd[f]
+def simulate(graph, tables, units, idx, rows, mk, dur, ef):
+    """Plans simulated into columns i of ``dur`` and ``ef`` [E, rows] and their makespans
+    into ``mk``: column i's units, ``units[rows[i] mod dp]`` (table offsets [dp, slots, pp]:
+    unit s x pp + q), at grid indices ``idx[i]``, their seconds read from the flat ``tables``."""
+    dp, slots, pp = units.shape
+    for i in range(rows.size):
+        u = units[rows[i] % dp]
+        for s in range(slots):
+            for q in range(pp):
+                f = u[s, q] + idx[i, s, q]
+                dur[graph.ev_f[s * pp + q], i] = tables.fwd[f]
+                dur[graph.ev_b[s * pp + q], i] = tables.bwd[f]
+    earliest_finish(graph, dur, np.arange(rows.size), ef, np.empty((0, 0)))
+    for i in range(rows.size):
+        mk[i] = makespan(graph.last, ef, i)
 
 
 def warm_up() -> None:
@@ -108,5 +114,5 @@ def warm_up() -> None:
     earliest_finish(graph, dur, cols, end, np.empty((2, 2)))
     makespan(graph.last, end, 0)
     unit_floats(graph, dur, end, np.ones(2), np.empty((2, 1)))
-    put_units(graph, SAMPLE_TABLES, np.zeros((1, 1), dtype=np.int64),
-              np.zeros((1, 1), dtype=np.int64), dur, 0)
+    simulate(graph, SAMPLE_TABLES, np.zeros((1, 1, 1), dtype=np.int64),
+             np.zeros((1, 1, 1), dtype=np.int64), np.arange(1), np.empty(1), dur, end)

@@ -26,13 +26,15 @@ def row_of(row):
 
 
 @jit(inline=True)
-def source(per_pair, fixed, corr, scaled, row, mb, s):
-    """The source of a unit at offset ``row`` of the tables: computed by their formula
-    (``records.Tables``' per_pair, fixed, corr, scaled) as micro-batch ``mb`` on stage ``s``,
-    or (``mb`` < 0) read (``row_of``)."""
-    if mb >= 0:
-        return (row, mb, per_pair[0, s], per_pair[1, s], fixed[0, mb, s], fixed[1, mb, s],
-                corr[mb, s], scaled)
+def source(tables, q):
+    """The source of flat unit ``q``'s seconds in ``tables`` (``records.Tables``): computed by
+    their formula as micro-batch q // nv on stage q % nv where they carry one, else read
+    (``row_of``)."""
+    row, nv = q * tables.g, tables.per_pair.shape[1]
+    if tables.work.shape[0] > 0:
+        mb, s = q // nv, q % nv
+        return (row, mb, tables.per_pair[0, s], tables.per_pair[1, s], tables.fixed[0, mb, s],
+                tables.fixed[1, mb, s], tables.corr[mb, s], tables.scaled)
     return row_of(row)
 
 

@@ -73,16 +73,14 @@ class DSTPlan:
 class RowsPass:
     """One pass over k candidates: the costs, the rows (candidate c x dp + rank: every
     candidate's copy of the rank), which rows water-fill, the compiled pass
-    (``kernels.band.BandPass``), the grid indices of d0, d_min and d_max, every rank's units'
-    table offsets [dp, slots, pp] and the static plan (every unit at d0): its makespans [dp]
-    and busy seconds [dp, pp]."""
+    (``kernels.band.BandPass``), the grid indices of d0, d_min and d_max and the static plan
+    (every unit at d0): its makespans [dp] and busy seconds [dp, pp]."""
 
     costs: UnitCosts
     k: int
     wrow: np.ndarray                         # [k * dp] rows cut and raised by water-filling
     fused: object
     bounds: tuple
-    rank_units: np.ndarray
     mk0: Optional[np.ndarray] = None
     busy0: Optional[np.ndarray] = None
 
@@ -103,7 +101,8 @@ def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float) 
     sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
     ib = tuple(costs.index_of(d) for d in bounds)
     _, i_min, i_max = ib
-    rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])
+    # every unit's offset in the flat tables [dp, slots, pp] (flat unit id x g)
+    rank_units = np.arange(dp * slots * pp).reshape(dp, slots, pp) * t_grid.shape[-1]
     fill = ()
     if water.any():
         # the water-filling's gain tables and the units' seconds per unit of density
@@ -117,9 +116,8 @@ def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float) 
                  / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
     fused = kernels.band.BandPass(
         Tables.of(costs.fwd_s, costs.bwd_s, t_grid), event_graph(m, pp, vp).record(p2p_s),
-        rank_units, dp, sens, *fill)
-    ps = RowsPass(costs, k, np.repeat(water, dp),
-                  fused.with_units(np.tile(rank_units, (k, 1, 1))), ib, rank_units)
+        rank_units, sens, *fill)
+    ps = RowsPass(costs, k, np.repeat(water, dp), fused, ib)
     _, ps.mk0, _, _, ps.busy0 = uniform_cut(ps, ib[0])
     return ps
 
@@ -127,8 +125,8 @@ def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float) 
 def uniform_cut(ps: RowsPass, i: int) -> tuple:
     """The ranks' plan with every unit at grid index ``i``, as ``cut_rows``' second part (a cut
     of nothing): (grid indices, makespans [dp], durations, earliest finishes, busy seconds)."""
-    units, dp = ps.rank_units, ps.dp
-    return ps.fused.with_units(units).cut(
+    units, dp = ps.fused.rows.units, ps.dp
+    return ps.fused.cut(
         np.full(units.shape, i), np.zeros((dp, units.shape[2])), np.full(dp, np.inf),
         np.zeros(dp, dtype=bool), ps.bounds[1], FILL_ITERS)
 
@@ -141,7 +139,7 @@ def cut_rows(ps: RowsPass, candidates, bands) -> tuple:
     k, dp = ps.k, ps.dp
     i0, i_min, _ = ps.bounds
     band = np.where([a == "max" for a, _ in candidates], np.inf, bands)   # max: never cut
-    cut = ps.fused.cut(np.full((k * dp,) + ps.rank_units.shape[1:], i0), ps.busy0,
+    cut = ps.fused.cut(np.full((k * dp,) + ps.fused.rows.units.shape[1:], i0), ps.busy0,
                        np.repeat(band, dp), ps.wrow, i_min, FILL_ITERS)
     step1 = cut[1].reshape(k, dp).max(axis=1)                       # [k]
     return step1, cut
@@ -243,14 +241,6 @@ def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
     kept_s = kept_all.sum(axis=(1, 2))
     stage = totals.stage(kept_s, lambda: dens.mean(axis=(1, 2)))
     return mean, [tuple(row) for row in stage.tolist()], kept_s
-
-
-def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:
-    """[k, m, pp] offsets of the units of DP ranks ``rows`` in a flat [dp, m, pp, g] table
-    (flat unit id x g): "units" below always means these offsets."""
-    _, m, pp = shape
-    return ((rows[:, None, None] * m + np.arange(m)[None, :, None]) * pp
-            + np.arange(pp)[None, None, :]) * g
 
 
 def gain_fill(marg: np.ndarray, slots: int, pp: int, vp: int) -> Fill:

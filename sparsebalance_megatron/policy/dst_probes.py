@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.descent import SCALE
-from .critical_path import ROUNDS, descend_at, descent_floors, descent_setup
+from .critical_path import ROUNDS, descend_at, descent_floors, descent_round
 
 PROBES = 64               # the descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -54,8 +53,8 @@ class RankProbes:
             costs, costs.attn_work, settings, qsum, start, steps
         self.i0, i_min, i_max = bounds
         self.floor, self.stage_floor = descent_floors(settings)
-        # the graph, tables and round every descent and fill of the rank share
-        self.setup = descent_setup(costs, i_min, i_max, settings.p2p_s)
+        # the compiled round every descent and fill of the rank share
+        self.rnd = descent_round(costs, i_min, i_max, settings.p2p_s)
 
     def _record(self, idx, mk: float) -> tuple:
         """(effective grid indices, makespan, kept work by stage, quality sum) of a plan."""
@@ -108,25 +107,18 @@ class RankProbes:
         """The descent's raise (``kernels.descent.Round``'s, after a cut that finds nothing)
         with a fixed ``target``, on the rank at or below it, in rounds until nothing moves:
         what the central rounds give a rank off the critical path. (grid indices, makespan)."""
-        setup, deadline = self.setup, target * (1.0 - self.s.raise_headroom)
-        rnd = setup.rnd                                  # a fill's every round resets it
-        f, b, dur, ef, mk = setup.simulate(idx)
+        rnd, deadline = self.rnd, target * (1.0 - self.s.raise_headroom)
+        plan, mk = rnd.simulate(idx)
         for _ in range(ROUNDS):
-            rnd.plan_changed()
-            now = rnd.plan(dur, ef, f, b, idx)
-            cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
-                now, mk, rnd.cut(now, setup.t_min, target)[1], deadline)
-            if not up.size:
+            rnd.plan_changed()                           # a fill's every round resets it
+            cut = rnd.after_cut(plan, mk, rnd.cut(plan, target)[1], deadline)
+            if not cut.up.size:
                 break
-            limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15
-            raised = rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), limit)[-1]
-            new = cut.copy()
-            np.put(new, up, raised)
-            if np.array_equal(new, idx):
+            new, mk_new = rnd.raise_fit(cut, deadline)
+            if np.array_equal(new.idx, plan.idx):
                 break
-            idx = new
-            f, b, dur, ef, mk = setup.simulate(idx)
-        return idx, float(mk.max())
+            plan, mk = new, mk_new
+        return plan.idx.reshape(idx.shape), float(mk.max())
 
     def _chain(self, budget, first: int = 0):
         """(probe, plan) for every probe below the start's makespan: from ``first`` on, the
@@ -158,7 +150,7 @@ class RankProbes:
             return True                       # later round is kept too
 
         def descend(start, goal):
-            new, step = descend_at(self.setup, start[0], s.raise_headroom,
+            new, step = descend_at(self.rnd, start[0], s.raise_headroom,
                                    (lambda i: True) if lim is None else meets_at,
                                    None if lim is None else floors_at, goal=goal)
             if not step < start[1]:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from sparsebalance_megatron.policy.bands import band_search
-from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors, descent_setup
+from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors, descent_round
 from sparsebalance_megatron.policy.density_means import WeightTotals, weighted_mean_density
 from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, band_pass, cut_rows, plan_reports,
                                                      raise_rows)
@@ -114,7 +114,7 @@ def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndar
     start = plan.densities
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
         start = np.full(costs.shape, float(s.d0))
-    idx, step = descend_at(descent_setup(costs, i_min, i_max, s.p2p_s), costs.grid_index(start),
+    idx, step = descend_at(descent_round(costs, i_min, i_max, s.p2p_s), costs.grid_index(start),
                            s.raise_headroom,
                            lambda i: meets(costs.densities[costs.effective_index(i, i0)]))
     if not step < min(r.step_time_planned_s, r.step_time_static_s) * (1.0 - SPEED_TIE):

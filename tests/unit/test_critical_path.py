@@ -9,7 +9,7 @@ import pytest
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            weighted_mean_density)
-from sparsebalance_megatron.policy.critical_path import descend_at, descent_setup
+from sparsebalance_megatron.policy.critical_path import descend_at, descent_round
 from tests.unit._bands import stage_mean_densities
 from tests.unit._floats import unit_floats
 
@@ -65,7 +65,7 @@ def test_descent_only_under_a_floor_a_cut_and_the_bottleneck_target():
 
 def descend(costs, idx, i_min, i_max, p2p_s=0.0, raise_headroom=0.0, meets=None, floors=None):
     """``descend_at`` with floors given on a plan's densities: (grid indices, step)."""
-    return descend_at(descent_setup(costs, i_min, i_max, p2p_s), idx, raise_headroom,
+    return descend_at(descent_round(costs, i_min, i_max, p2p_s), idx, raise_headroom,
                       lambda i: meets(costs.densities[i]),
                       None if floors is None else lambda i: floors(costs.densities[i]))
 
@@ -242,12 +242,12 @@ def test_a_round_from_the_last_rounds_search_plans_what_a_cold_search_plans(monk
     calls = []
     real = kernels.descent.Round.cut
 
-    def checked_cut(self, plan, t_min, target):
+    def checked_cut(self, plan, target):
         warm = self._was[0].size > 0
-        got = real(self, plan, t_min, target)
+        got = real(self, plan, target)
         cold = kernels.descent.Round(self.graph, self.tables, self.shape, self.i_min,
                                      self.i_max)
-        fits, cut = real(cold, plan, t_min, target)
+        fits, cut = real(cold, plan, target)
         for x, y in zip((got[0], *got[1]), (fits, *cut)):
             np.testing.assert_array_equal(x, y)
         calls.append(warm)

@@ -10,7 +10,7 @@ import pytest
 
 from sparsebalance_megatron.kernels import band
 from sparsebalance_megatron.kernels.records import FILL_EXPS, FILL_GRID, Tables
-from sparsebalance_megatron.policy.dst_band import FILL_ITERS, gain_fill, unit_base
+from sparsebalance_megatron.policy.dst_band import FILL_ITERS, gain_fill
 from sparsebalance_megatron.sim.pipeline import event_graph
 from tests.unit._floats import unit_floats
 
@@ -146,17 +146,18 @@ def _pass(dp, m, pp, vp, seed, g=9):
                                                                             (dp, m, nv, 1))
     marg = np.sort(rng.random((nv, g)), axis=1)[:, ::-1].copy()
     marg[:, 0] = np.inf
-    units = np.tile(unit_base((dp, slots, pp), np.arange(dp), g), (2, 1, 1))
+    units = np.arange(dp * slots * pp).reshape(dp, slots, pp) * g        # the ranks' units
     b = rng.random((dp, slots, pp))
     bp = band.BandPass(Tables.of(t / 3, 2 * t / 3, t / 3 + 2 * t / 3),
-                       event_graph(m, pp, vp).record(1e-3), units, dp, rng.random((dp, slots, pp)),
+                       event_graph(m, pp, vp).record(1e-3), units, rng.random((dp, slots, pp)),
                        gain_fill(marg, slots, pp, vp), b)
     return bp, marg, rng
 
 
 def _simulated(bp, m, pp, vp, idx):
     g = event_graph(m, pp, vp)
-    at = bp.down.units + idx
+    units = bp.rows.units                                         # row r: rank r mod dp
+    at = units[np.arange(len(idx)) % len(units)] + idx
     f, b = (x.take(at).reshape(len(at), m, pp * vp) for x in (bp.tables.fwd, bp.tables.bwd))
     dur = g.durations(f, b)
     ef = g.earliest_finish(dur, 1e-3)
@@ -166,7 +167,8 @@ def _simulated(bp, m, pp, vp, idx):
 def _column(bp, marg, r, q, lo, hi, limit):
     t, g = bp.tables.tot, bp.tables.g
     stage = (bp.fill.first[:, q] - 1) // g
-    return _fill_oracle(t, bp.down.units[r, :, q], bp.down.b[r % bp.down.dp, :, q], lo, hi,
+    dp = len(bp.rows.units)
+    return _fill_oracle(t, bp.rows.units[r % dp, :, q], bp.rows.b[r % dp, :, q], lo, hi,
                         limit, marg, stage, bp.fill)
 
 
@@ -184,7 +186,7 @@ def test_a_band_pass_is_its_rows_moved_and_simulated(pp, vp):
     then simulated: grid indices, makespans, durations, finishes, busy seconds."""
     dp, m, g = 2, 4, 9
     bp, marg, rng = _pass(dp, m, pp, vp, seed=pp * 10 + vp)
-    t, units, rows = bp.tables.tot, bp.down.units, 2 * dp
+    t, units, rows = bp.tables.tot, np.tile(bp.rows.units, (2, 1, 1)), 2 * dp
     water = np.arange(rows) % 2 == 0
     cur = np.full(units.shape, 5, dtype=np.int64)
     busy0 = t.take(units[:dp] + cur[:dp]).sum(axis=1)                # [dp, pp]
@@ -193,13 +195,13 @@ def test_a_band_pass_is_its_rows_moved_and_simulated(pp, vp):
     excess = busy0[np.arange(rows) % dp] - bands[:, None]
     got = bp.cut(cur, busy0, bands, water, 0, FILL_ITERS)
     py = tuple(np.empty_like(x) for x in got)
-    band.cut_rows.py_func(bp.graph, bp.tables, bp.down, bp.fill, cur, busy0, bands, water, 0,
+    band.cut_rows.py_func(bp.graph, bp.tables, bp.rows, bp.fill, cur, busy0, bands, water, 0,
                           FILL_ITERS, py)
     want = cur.copy()
     for r in range(rows):
         if not water[r]:
             want[r] = _moves_oracle(t, units[r], cur[r], np.maximum(excess[r], 0.0), None, 1.0,
-                                    bp.down.order[r % dp], 0, False)
+                                    bp.rows.down[r % dp], 0, False)
             continue
         for q in range(pp):
             base, ex = _sum(t[units[r, :, q] + cur[r, :, q]]), excess[r, q]
@@ -224,13 +226,13 @@ def test_a_band_pass_is_its_rows_moved_and_simulated(pp, vp):
     trial, mk_t = bp.raise_try(want, cap, slack, np.arange(rows), alpha, water, i_max,
                                FILL_ITERS)
     py = (np.empty_like(trial), np.empty_like(mk_t))
-    band.raise_try_rows.py_func(bp.graph, bp.tables, bp.up, bp.fill, (want, cap, slack),
+    band.raise_try_rows.py_func(bp.graph, bp.tables, bp.rows, bp.fill, (want, cap, slack),
                                 np.arange(rows), alpha, water, i_max, FILL_ITERS, py)
     up = want.copy()
     for r in range(rows):
         a = alpha[r]
         if not water[r]:
-            up[r] = _moves_oracle(t, units[r], want[r], slack[r], cap[r], a, bp.up.order[r % dp],
+            up[r] = _moves_oracle(t, units[r], want[r], slack[r], cap[r], a, bp.rows.up[r % dp],
                                   i_max, True)
             continue
         for q in range(pp):

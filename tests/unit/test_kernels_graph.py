@@ -128,7 +128,7 @@ def test_the_grid_search_is_a_scan_of_the_grid(form):
     rng = np.random.default_rng(5)
     g = 20
     tables = _formula_tables(rng, 6, 3, g)
-    fwd, bwd, tot, _, work, per_pair, fixed, corr, scaled = tables
+    fwd, bwd, tot, work = tables.fwd, tables.bwd, tables.tot, tables.work
     fn = _form(grid.highest_within, form)
     for case in range(300):
         q = int(rng.integers(0, 18))
@@ -138,8 +138,7 @@ def test_the_grid_search_is_a_scan_of_the_grid(form):
         lim = (np.nan, np.inf, -np.inf, t[lo], t[hi])[case % 5] if case % 3 == 0 \
             else float(rng.uniform(t[0] - 0.1, t[-1] + 0.1))
         fits = [i for i in range(lo, hi + 1) if t[i] <= lim]
-        for mb, s in ((-1, 0), divmod(q, 3)):               # read, and by the formula
-            src = grid.source(per_pair, fixed, corr, scaled, q * g, mb, s)
+        for src in (grid.row_of(q * g), grid.source(tables, q)):   # read, by the formula
             assert fn(tot, work, src, lo, hi, lim) == (fits[-1] if fits else lo), (case, lim)
             i = int(rng.integers(0, g))
             assert grid.seconds(fwd, bwd, work, src, i) == (fwd[q * g + i], bwd[q * g + i])
@@ -166,7 +165,7 @@ def test_a_descent_cut_is_every_fraction_simulated(form, by_formula):
     ef = g.earliest_finish(dur, 1e-3)
     mk = g.makespan(ef)
     t_min = tables.tot[np.arange(dp * n) * 6]
-    plan = descent.Round.plan(dur, ef, f, b, idx)
+    plan = descent.Plan(dur, ef, f, b, idx)
     none = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.full(dp, -1, np.int64))
     seen = set()
     for target in (float(mk.min()) * 0.99, float(mk.max()) * 0.3):

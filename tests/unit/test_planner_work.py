@@ -64,8 +64,8 @@ def _count(monkeypatch) -> dict:
     rnd = kernels.descent.Round
     counted(rnd, "cut", lambda self, args, out: n.__setitem__("searched",
                                                               n["searched"] + out[1][0].size))
-    counted(rnd, "raise_fit", lambda self, args, out: n.__setitem__("searched",
-                                                                    n["searched"] + args[1].size))
+    counted(rnd, "raise_fit", lambda self, args, out: n.__setitem__(
+        "searched", n["searched"] + args[0].up.size))
     return n
 
 
