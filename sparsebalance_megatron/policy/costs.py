@@ -19,6 +19,7 @@ import numpy as np
 from .. import kernels
 from ..kernels import f64
 from ..latency.features import unit_rows
+from ..sim.pipeline import pipeline_ranks
 
 GRID_STEP = 1.0 / 64
 
@@ -112,13 +113,7 @@ class UnitCosts:
             lo, hi = a.min(), a.max()                  # NaN propagates into both
             if not (lo >= 0 and hi < np.inf):
                 raise ValueError(f"{name} must be finite seconds >= 0 (min={np.nanmin(a)!r})")
-        nv = f.shape[2]
-        pr = nv if self.pipeline_ranks is None else self.pipeline_ranks
-        if isinstance(pr, bool) or not isinstance(pr, (int, np.integer)) or pr < 1 or nv % pr \
-                or (pr < nv and pr < 2):
-            raise ValueError(f"pipeline_ranks={self.pipeline_ranks!r}: expected an integer >= 2 "
-                             f"dividing the {nv} (virtual) stages, or None")
-        self.pipeline_ranks = int(pr)
+        self.pipeline_ranks = pipeline_ranks(self.pipeline_ranks, f.shape[2], "pipeline_ranks")
         self.densities = g
         self.fwd_s = f if self.tables_checked else _non_decreasing(f)
         self.bwd_s = b if self.tables_checked else _non_decreasing(b)
