@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
-from ..sim.pipeline import event_graph, pipeline_makespan_s
+from ..sim.pipeline import event_graph, pipeline_makespan_s, pipeline_ranks
 
 ROUNDS = 8
 """Local-search rounds on the critical rank (each: one batched simulation), at most."""
@@ -125,7 +125,7 @@ def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
     span = np.array(span, dtype=np.float64)
     if k > 1 or m > 1:
         fu, bu = f64(f.reshape(k * m, nv)), f64(b.reshape(k * m, nv))
-        ranks_pp = nv if pp is None else pp
+        ranks_pp = pipeline_ranks(pp, nv)
         kernels.slots.rounds_pass(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu,
                                   bu, f64(sc), (fu + bu).sum(axis=1), slots, span,
                                   (int(rounds), HEAVY_MOVES, PARTNERS, MIN_GAIN))

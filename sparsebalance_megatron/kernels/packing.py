@@ -62,55 +62,13 @@ def _replay(key, rank, leaf, value):
 
 
 @jit
-def lpt_pass(cost, size, order, dp, cap, rank_of):
-    # items in ``order`` to the least loaded rank with token room (ties to the lower rank);
-    # False if one fits nowhere. The ranks' (load, rank) in a winner tree: an item costs one
-    # path of log2(dp) comparisons; a rank without room for it leaves (its load infinite)
-    # until the item is placed
-    leaves = 1
-    while leaves < dp:
-        leaves <<= 1
-    key = np.full(2 * leaves, np.inf)          # padding leaves never win over a rank
-    rank = np.empty(2 * leaves, dtype=np.int64)
-    for k in range(leaves):
-        rank[leaves + k] = k
-    for k in range(dp):
-        _replay(key, rank, leaves + k, 0.0)
-    load = np.zeros(dp)
-    used = np.zeros(dp, dtype=np.int64)
-    skip = np.empty(dp, dtype=np.int64)
-    n = order.size
-    co, zo, to = np.empty(n), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    for j in range(n):                # gathered first: the loop below reads them in order
-        co[j], zo[j] = cost[order[j]], size[order[j]]
-    for j in range(n):
-        c, z = co[j], zo[j]
-        k = 0
-        while True:
-            r = rank[1]
-            if key[1] == np.inf:                        # no rank left with room
-                return False
-            if used[r] + z <= cap:
-                break
-            skip[k] = r                                 # a rank without room leaves the tree
-            k += 1
-            _replay(key, rank, leaves + r, np.inf)
-        to[j] = r
-        used[r] += z
-        load[r] = load[r] + c
-        _replay(key, rank, leaves + r, load[r])
-        for q in skip[:k]:                              # and come back
-            _replay(key, rank, leaves + q, load[q])
-    for j in range(n):
-        rank_of[order[j]] = to[j]
-    return True
-
-
-@jit
-def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
-    # lpt_pass over the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1,
-    # n < 2^31): each item's (value, index) packed into one int64 at its tie position, then
-    # counted in tie order into its value's run (a stable counting sort)
+def lpt_pass(cost, size, tie, at, rank, dp, cap, rank_of):
+    # the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1, n < 2^31), each
+    # to the least loaded rank with token room (ties to the lower rank); False if one fits
+    # nowhere. The order: each item's (value, index) packed into one int64 at its tie
+    # position, then counted in tie order into its value's run (a stable counting sort). The
+    # ranks' (load, rank) in a winner tree: an item costs one path of log2(dp) comparisons; a
+    # rank without room for it leaves (its load infinite) until the item is placed
     n = tie.size
     packed = np.empty(n, dtype=np.int64)
     start = np.zeros(rank.size + 1, dtype=np.int64)
@@ -121,11 +79,45 @@ def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
     for v in range(rank.size):
         start[v + 1] += start[v]
     order = np.empty(n, dtype=np.int64)
-    for t in range(n):
-        v = packed[t] >> 32
-        order[start[v]] = packed[t] & 0xFFFFFFFF
+    co, zo, to = np.empty(n), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for t in range(n):                  # each item's cost and size gathered in that order
+        v, i = packed[t] >> 32, packed[t] & 0xFFFFFFFF
+        j = start[v]
+        order[j], co[j], zo[j] = i, cost[i], size[i]
         start[v] += 1
-    return lpt_pass(cost, size, order, dp, cap, rank_of)
+    leaves = 1
+    while leaves < dp:
+        leaves <<= 1
+    key = np.full(2 * leaves, np.inf)          # padding leaves never win over a rank
+    tree = np.empty(2 * leaves, dtype=np.int64)
+    for k in range(leaves):
+        tree[leaves + k] = k
+    for k in range(dp):
+        _replay(key, tree, leaves + k, 0.0)
+    load = np.zeros(dp)
+    used = np.zeros(dp, dtype=np.int64)
+    skip = np.empty(dp, dtype=np.int64)
+    for j in range(n):
+        c, z = co[j], zo[j]
+        k = 0
+        while True:
+            r = tree[1]
+            if key[1] == np.inf:                        # no rank left with room
+                return False
+            if used[r] + z <= cap:
+                break
+            skip[k] = r                                 # a rank without room leaves the tree
+            k += 1
+            _replay(key, tree, leaves + r, np.inf)
+        to[j] = r
+        used[r] += z
+        load[r] = load[r] + c
+        _replay(key, tree, leaves + r, load[r])
+        for q in skip[:k]:                              # and come back
+            _replay(key, tree, leaves + q, load[q])
+    for j in range(n):
+        rank_of[order[j]] = to[j]
+    return True
 
 
 @jit
@@ -314,12 +306,12 @@ def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarray,
               rank: np.ndarray, dp: int, cap_tokens: int):
     """The LPT's rank of every item [n] (``lpt_pass``) in the order
-    ``batching.plan.seeded_order(tie, rank[at])`` makes (``lpt_by_pass``: ``rank`` [k] the
-    order of k values, ``at`` [n] each item's one), or None where one fits nowhere."""
+    ``batching.plan.seeded_order(tie, rank[at])`` makes (``rank`` [k] the order of k values,
+    ``at`` [n] each item's one), or None where one fits nowhere."""
     if cost.size >= 2 ** 31:
         raise ValueError(f"{cost.size} items: at most 2^31 - 1 in one LPT")
     rank_of = np.zeros(cost.size, dtype=np.int64)
-    ok = lpt_by_pass(f64(cost), i64(size), i64(tie), i64(at), i64(rank), int(dp),
+    ok = lpt_pass(f64(cost), i64(size), i64(tie), i64(at), i64(rank), int(dp),
                      int(cap_tokens), rank_of)
     return rank_of if ok else None
 

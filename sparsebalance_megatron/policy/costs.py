@@ -19,6 +19,7 @@ import numpy as np
 from .. import kernels
 from ..kernels import f64
 from ..latency.features import unit_rows
+from ..sim.pipeline import pipeline_ranks
 
 GRID_STEP = 1.0 / 64
 
@@ -112,13 +113,7 @@ class UnitCosts:
             lo, hi = a.min(), a.max()                  # NaN propagates into both
             if not (lo >= 0 and hi < np.inf):
                 raise ValueError(f"{name} must be finite seconds >= 0 (min={np.nanmin(a)!r})")
-        nv = f.shape[2]
-        pr = nv if self.pipeline_ranks is None else self.pipeline_ranks
-        if isinstance(pr, bool) or not isinstance(pr, (int, np.integer)) or pr < 1 or nv % pr \
-                or (pr < nv and pr < 2):
-            raise ValueError(f"pipeline_ranks={self.pipeline_ranks!r}: expected an integer >= 2 "
-                             f"dividing the {nv} (virtual) stages, or None")
-        self.pipeline_ranks = int(pr)
+        self.pipeline_ranks = pipeline_ranks(self.pipeline_ranks, f.shape[2], "pipeline_ranks")
         self.densities = g
         self.fwd_s = f if self.tables_checked else _non_decreasing(f)
         self.bwd_s = b if self.tables_checked else _non_decreasing(b)
@@ -280,16 +275,13 @@ class UnitCosts:
         # (work x per_pair + fixed) x correction (x 1.0 is exact: left out), and their total
         formula = (work, f64(per_pair), f64(fixed), f64(corr), not bool(np.all(corr == 1.0)))
         kernels.grid.unit_tables(*formula, fb, total)
-        f, b = fb
+        f, b = fb.reshape(2, rows, m, pp, g.size)
         # finite, >= 0 and non-decreasing along the grid when every factor is finite and >= 0
         # and the work is non-decreasing (rounding is monotone); the largest entry is the last
         checked = bool(np.all(work[:, 1:] >= work[:, :-1]) and np.all(work >= 0)
                        and np.all(np.isfinite(corr)) and np.all(corr >= 0)
                        and all(np.all(np.isfinite(x)) and np.all(x >= 0)
-                               for x in (fixed, per_pair))
-                       and np.all(np.isfinite(f[..., -1])) and np.all(np.isfinite(b[..., -1])))
-        f = f.reshape(rows, m, pp, g.size)
-        b = b.reshape(rows, m, pp, g.size)
+                               for x in (fixed, per_pair)) and np.all(np.isfinite(fb[..., -1])))
         dense = dense.reshape(rows, m)
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \

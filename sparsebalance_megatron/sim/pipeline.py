@@ -211,18 +211,27 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
                       np.stack([prev, dep, crosses, nxt, succ]))
 
 
+def pipeline_ranks(pp, nv: int, name: str = "pp") -> int:
+    """The pipeline ranks of ``nv`` (virtual) stages: nv where ``pp`` is None (1F1B), else
+    ``pp``, nv or an integer >= 2 dividing it (interleaved); else a ValueError naming ``name``."""
+    if pp is None:
+        return nv
+    if isinstance(pp, bool) or not isinstance(pp, (int, np.integer)) or pp < 1 or nv % pp \
+            or (pp < nv and pp < 2):
+        raise ValueError(f"{name}={pp!r}: expected an integer >= 2 dividing the {nv} (virtual) "
+                         f"stages, or None")
+    return int(pp)
+
+
 def _run(fwd_s, bwd_s, p2p_s, pp, record: bool) -> tuple:
     """(fwd, bwd [dp, m, stages] checked, the physical ranks, every DP rank's makespan [dp],
     and where ``record`` every event's start and end [dp, m, stages, kind]). The stage axis
     holds one stage per rank (1F1B), or with ``pp`` smaller than it the virtual stages of the
-    interleaved schedule (``v = chunk * pp + rank``; the micro-batch counts Megatron refuses
-    are refused with the events, ``interleaved_refusal``)."""
+    interleaved schedule (``pipeline_ranks``; the micro-batch counts Megatron refuses are
+    refused with the events, ``interleaved_refusal``)."""
     f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
     dp, m, nv = f.shape
-    if pp is not None and pp != nv and (isinstance(pp, bool) or not isinstance(
-            pp, (int, np.integer)) or pp < 2 or nv % pp):
-        raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
-    ranks = nv if pp is None else int(pp)
+    ranks = pipeline_ranks(pp, nv)
     g = event_graph(m, ranks, nv // ranks)
     dur = g.durations(f, b)                                        # [E, dp]
     start = np.empty_like(dur) if record else None

@@ -41,16 +41,27 @@ def test_compensated_sum_is_pythons_sum(form):
 
 @FORMS
 def test_lpt_gives_each_item_the_least_loaded_rank_with_room(form):
-    """Items in order, each to the rank of least (load, rank) among those with token room; an
-    item without room anywhere: no plan. Equal loads and equal costs included."""
+    """Items in ``np.lexsort((tie, rank[at]))``'s order (the kernel counts them into their
+    values' ranks in tie order), each to the rank of least (load, rank) among those with token
+    room; an item without room anywhere: no plan. Equal loads and equal costs included, the
+    ranks as ``np.unique`` gives them for sizes' costs and for any costs (``at`` the items)."""
     rng = np.random.default_rng(3)
     nowhere = 0
     for case in range(150):
         dp, cap = int(rng.integers(1, 6)), int(rng.integers(50, 300))
         n = int(rng.integers(0, 4 * dp * 3))
         size = rng.integers(1, cap // 2, n).astype(np.int64)
-        cost = (rng.integers(1, 4, n) if case % 2 else rng.random(n) * 10).astype(np.float64)
-        order = np.lexsort((rng.permutation(n), -cost))
+        if case % 3 == 0:
+            per = rng.integers(0, 4, 7).astype(np.float64)       # many equal costs
+            at = rng.integers(0, per.size, n)
+            rank = np.unique(-per, return_inverse=True)[1]
+            cost = per[at]
+        else:
+            cost = (rng.integers(1, 4, n) if case % 3 == 1 else rng.random(n) * 10
+                    ).astype(np.float64)
+            at, rank = np.arange(n), np.unique(-cost, return_inverse=True)[1]
+        tie = rng.permutation(n)
+        order = np.lexsort((tie, rank[at]))
         load, used, want = [0.0] * dp, [0] * dp, np.zeros(n, np.int64)
         for i in order:
             room = [r for r in range(dp) if used[r] + size[i] <= 3 * cap]
@@ -60,39 +71,12 @@ def test_lpt_gives_each_item_the_least_loaded_rank_with_room(form):
             r = min(room, key=lambda r: (load[r], r))
             want[i], load[r], used[r] = r, load[r] + cost[i], used[r] + size[i]
         got = np.zeros(n, np.int64)
-        ok = _form(packing.lpt_pass, form)(cost, size, order, dp, 3 * cap, got)
+        ok = _form(packing.lpt_pass, form)(cost, size, tie, at, rank, dp, 3 * cap, got)
         assert ok == (want is not None)
         nowhere += want is None
         if want is not None:
             np.testing.assert_array_equal(got, want)
     assert 0 < nowhere < 150
-
-
-@FORMS
-def test_lpt_by_ranks_orders_the_items_as_the_seeded_sort(form):
-    """``lpt_by_pass`` counts the items into their values' ranks in tie order: the LPT of
-    ``np.lexsort((tie, rank[at]))``'s order, equal ranks (equal costs) many, the ranks as
-    ``np.unique`` gives them for sizes' costs and for any costs (``at`` the items)."""
-    rng = np.random.default_rng(6)
-    for case in range(120):
-        dp, cap = int(rng.integers(1, 6)), int(rng.integers(50, 300))
-        n = int(rng.integers(0, 4 * dp * 3))
-        size = rng.integers(1, cap // 2, n).astype(np.int64)
-        if case % 2:
-            per = rng.integers(0, 4, 7).astype(np.float64)       # many equal costs
-            at = rng.integers(0, per.size, n)
-            rank = np.unique(-per, return_inverse=True)[1]
-            cost = per[at]
-        else:
-            cost = rng.integers(1, 5, n) * (rng.random(n) < 0.5) + rng.random(n).round(1)
-            at, rank = np.arange(n), np.unique(-cost, return_inverse=True)[1]
-        tie = rng.permutation(n)
-        want, got = np.zeros(n, np.int64), np.zeros(n, np.int64)
-        ok = packing.lpt_pass(cost, size, np.lexsort((tie, -cost)), dp, 3 * cap, want)
-        assert _form(packing.lpt_by_pass, form)(cost, size, tie, at, rank, dp, 3 * cap,
-                                                got) == ok
-        if ok:
-            np.testing.assert_array_equal(got, want)
 
 
 def _cut_oracle(items, size, cost, m, cap, balance):
