@@ -24,7 +24,6 @@ from .density_means import WeightTotals, weighted_mean_density
 SPEED_TIE = 1e-3          # plans within 0.1% of the fastest count as as fast
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 FILL_ITERS = 12           # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
-REL_EPS = 1e-9            # float slack when comparing makespans and step times
 
 
 @dataclass
@@ -161,9 +160,7 @@ def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float,
     cap_full = fused.floats(dur1, ef1, target)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
-    # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
-    # may only fill stages off its critical path, whose slack above is already short by h x T1.
-    limit = np.maximum(target, mk1) * (1.0 + REL_EPS) + 1e-15       # [k * dp]
+    limit = kernels.descent.raise_limit(target, mk1)                # [k * dp]
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if not (i_max > i_min and ranks.size):
         return idx, mk_final, reverted
