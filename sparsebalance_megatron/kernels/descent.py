@@ -337,8 +337,8 @@ def raise_limit(deadline, mk) -> np.ndarray:
     """Each DP rank's makespan limit in a raise, the descent's and the band pass's
     (``policy.dst_band.raise_rows``): a rank may grow up to ``deadline`` (``fit_limit``); one
     already above it before the raise (makespans ``mk``: the bottleneck rank, in a pipeline)
-    may only fill stages off its critical path."""
-    return fit_limit(np.maximum(deadline, mk))
+    may only fill stages off its critical path. (Python's form of ``fit_limit`` on the array.)"""
+    return fit_limit.py_func(np.maximum(deadline, mk))
 
 
 def warm_up() -> None:

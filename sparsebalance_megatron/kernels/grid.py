@@ -122,7 +122,6 @@ def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     from .records import SAMPLE_TABLES
 
-    fit_limit(1.0), fit_limit(np.ones(1))
     highest_within(SAMPLE_TABLES.tot, SAMPLE_TABLES.work, row_of(0), 0, 1, 1.5)
     unit_tables(np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True,
                 np.empty((2, 1, 1, 2)), np.empty((1, 1, 2)))
