@@ -16,12 +16,11 @@ import numpy as np
 
 from . import i64, jit
 from .graph import earliest_finish, makespan, simulate, unit_floats
-from .grid import highest_within, seconds, source, total
+from .grid import SCALE, fit_limit, highest_within, seconds, source, total
 from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
 RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
-SCALE = 1.0 + 1e-9           # a limit's float slack: seconds within it fit
 
 
 class Plan(NamedTuple):
@@ -52,7 +51,7 @@ class Cut(NamedTuple):
 class Search(NamedTuple):
     """A first-fit search over the units ``units`` (flat unit ids, ascending) of the ranks
     ``ranks`` (rank j's units ``seg[j]:seg[j + 1]``): a unit's grid index at candidate c is
-    the highest in [lo, hi] whose seconds are within (on + fracs[c] x delta) x ``SCALE`` (a
+    the highest in [lo, hi] whose seconds are within ``fit_limit``(on + fracs[c] x delta) (a
     cut: delta < 0; a raise: its float); DP rank r's makespan must be <= ``limit[r]``;
     ``z0[j]`` a candidate known to fit (the candidates' count: none)."""
 
@@ -100,7 +99,7 @@ def _set_units(j, c, graph, sr, tables, at, buf):
                     top = at[c2, u]
                     break
             a = highest_within(tables.tot, tables.work, src, lo[u], top,
-                               (on[u] + frac * delta[u]) * SCALE + 1e-15)
+                               fit_limit(on[u] + frac * delta[u]))
             at[c, u] = a
         local = units[u] % per_rank
         buf[graph.ev_f[local], j], buf[graph.ev_b[local], j] = seconds(
@@ -243,7 +242,7 @@ def after_cut_round(graph, tables, plan, mk, cut, deadline, i_max):
     for q in range(cap.size):
         x = cap[q]
         cap[q] = x if (x > 0.0 or x != x) else 0.0
-        lim = (new.f[q] + new.b[q] + RAISE_FRACTIONS[0] * cap[q]) * SCALE + 1e-15
+        lim = fit_limit(new.f[q] + new.b[q] + RAISE_FRACTIONS[0] * cap[q])
         i, src = new.idx[q], source(tables, q)
         if i < i_max and total(tables.tot, tables.work, src, i + 1) <= lim:
             up[n] = q                            # cut + 1 fits: the filter's test
@@ -329,11 +328,17 @@ class Round:
 
     def raise_fit(self, cut: Cut, deadline: float) -> tuple:
         """(the raised plan, its makespans [dp]): ``raise_round``'s, over ``cut``'s arrays,
-        each rank's makespan limited to the larger of ``deadline`` and its cut's (a rank the
-        cut left above the deadline may still fill off its critical path)."""
-        raise_round(self.graph, self.tables, cut, self.i_max,
-                    np.maximum(float(deadline), cut.mk) * SCALE + 1e-15)
+        under ``raise_limit``."""
+        raise_round(self.graph, self.tables, cut, self.i_max, raise_limit(deadline, cut.mk))
         return cut.plan, cut.mk
+
+
+def raise_limit(deadline, mk) -> np.ndarray:
+    """Each DP rank's makespan limit in a raise, the descent's and the band pass's
+    (``policy.dst_band.raise_rows``): a rank may grow up to ``deadline`` (``fit_limit``); one
+    already above it before the raise (makespans ``mk``: the bottleneck rank, in a pipeline)
+    may only fill stages off its critical path. (Python's form of ``fit_limit`` on the array.)"""
+    return fit_limit.py_func(np.maximum(deadline, mk))
 
 
 def warm_up() -> None:

@@ -1,7 +1,7 @@
 """The density grid's compiled rules: the grid search every DST move makes
-(``highest_within``: the highest grid index whose seconds fit) and a unit's seconds at a grid
-index (``unit_seconds``: the cost tables' formula, which ``unit_tables`` tabulates for
-``UnitCosts.from_latency``).
+(``highest_within``: the highest grid index whose seconds fit under a limit, ``fit_limit``) and
+a unit's seconds at a grid index (``unit_seconds``: the cost tables' formula, which
+``unit_tables`` tabulates for ``UnitCosts.from_latency``).
 
 A unit's seconds along the grid come from its source: its row of the flat tables (``row_of``:
 the seconds at grid index i at its offset + i), or the tables' formula where they carry one
@@ -17,6 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+
+SCALE = 1.0 + 1e-9           # a limit's float slack: seconds within it fit
+
+
+@jit(inline=True)
+def fit_limit(s):
+    """The most seconds that fit under ``s`` (a number or an array): ``s`` x ``SCALE`` + 1e-15,
+    so that a tie in float is a fit (a descent's unit limits, every raise's makespans)."""
+    return s * SCALE + 1e-15
 
 
 @jit(inline=True)

@@ -24,7 +24,6 @@ from .density_means import WeightTotals, weighted_mean_density
 SPEED_TIE = 1e-3          # plans within 0.1% of the fastest count as as fast
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 FILL_ITERS = 12           # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
-REL_EPS = 1e-9            # float slack when comparing makespans and step times
 
 
 @dataclass
@@ -161,9 +160,7 @@ def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float,
     cap_full = fused.floats(dur1, ef1, target)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
-    # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
-    # may only fill stages off its critical path, whose slack above is already short by h x T1.
-    limit = np.maximum(target, mk1) * (1.0 + REL_EPS) + 1e-15       # [k * dp]
+    limit = kernels.descent.raise_limit(target, mk1)                # [k * dp]
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if not (i_max > i_min and ranks.size):
         return idx, mk_final, reverted
@@ -193,39 +190,41 @@ def plan_reports(ps: RowsPass, candidates, d0: float, steps: tuple, raised: tupl
     i0 = ps.bounds[0]
     # every unit at its effective density: a move that keeps no other block is none, and
     # counts as none in the floors (the same seconds, so the makespans stand)
-    idx = costs.effective_index(idx.reshape(k, dp, m, nv), i0).reshape(idx.shape)
-    plans = []
-    weights = costs.attn_work
-    mk_c, idx_c, rev_c = mk_final.reshape(k, dp), idx.reshape((k, dp) + idx.shape[1:]), \
-        reverted.reshape(k, dp)
+    idx_c = costs.effective_index(idx.reshape(k, dp, m, nv), i0)
+    mk_c = mk_final.reshape(k, dp)
     imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0
-    dens_c = costs.densities[idx_c].reshape(k, dp, m, nv)
-    mean_c, stage_c, kept_s = _density_stats(dens_c, weights, costs.dense_work)
-    mean_static = float(d0) if costs.dense_work is None else \
-        weighted_mean_density(np.full(dens_c.shape[1:], float(d0)), weights, costs.dense_work)
+    dens_c = costs.densities[idx_c]
+    mean_c, stage_c, kept_s = _density_stats(dens_c, costs.attn_work, costs.dense_work)
+    mean_static = float(d0) if costs.dense_work is None else weighted_mean_density(
+        np.full(dens_c.shape[1:], float(d0)), costs.attn_work, costs.dense_work)
     flat_c = idx_c.reshape(k, -1)
     counts = np.stack([(flat_c < i0).sum(axis=1), (flat_c > i0).sum(axis=1),
-                       rev_c.sum(axis=1)], axis=1).astype(np.int64)
-    cut_c, raised_c, rev_n = counts.T.tolist()
+                       reverted.reshape(k, dp).sum(axis=1)], axis=1).astype(np.int64)
     # every candidate's makespans' max and mean at once (a row's mean is numpy's over the same
     # elements in the same order as the row's own: the same floats)
     mk_top = mk_c.max(axis=1)
-    top_c, mean_mk_c = mk_top.tolist(), mk_c.mean(axis=1).tolist()
     step1_c = np.asarray(step1, dtype=np.float64).reshape(k).tolist()
-    for c, (_, tolerance) in enumerate(candidates):
-        top, mean_mk = top_c[c], mean_mk_c[c]
+    plans = []
+    for c, (top, mean_mk, n, (_, tolerance)) in enumerate(zip(
+            mk_top.tolist(), mk_c.mean(axis=1).tolist(), counts.tolist(), candidates)):
         report = DSTReport(
-            step_time_static_s=step0, step_time_cut_s=step1_c[c],
-            step_time_planned_s=top, speedup=step0 / top if top > 0 else 1.0,
-            imbalance_before=imb0,
-            imbalance_after=top / mean_mk if mean_mk > 0 else 1.0,
-            mean_density_static=mean_static, mean_density=mean_c[c],
-            units_cut=cut_c[c], units_raised=raised_c[c],
-            ranks_reverted=rev_n[c], tolerance_used=float(tolerance),
-            density_per_stage=stage_c[c])
-        plans.append(DSTPlan(dens_c[c], report, idx_c[c].reshape(dp, m, nv)))
+            step_time_static_s=step0, step_time_cut_s=step1_c[c], imbalance_before=imb0,
+            mean_density_static=mean_static, ranks_reverted=n[2],
+            tolerance_used=float(tolerance),
+            **step_fields(step0, top, mean_mk, mean_c[c], stage_c[c], n))
+        plans.append(DSTPlan(dens_c[c], report, idx_c[c]))
     return plans, {"sum": {"kept_s": kept_s, "plain_s": dens_c.sum(axis=(1, 2)),
                            "mk_sum": mk_c.sum(axis=1), "counts": counts}, "max": {"mk": mk_top}}
+
+
+def step_fields(t0: float, step: float, mean_mk: float, mean, stage, counts) -> dict:
+    """A plan's ``DSTReport`` fields from its step, its makespans' mean, its mean and per-stage
+    densities and its units (cut, raised, ...): every report's, a rank's own and the DP
+    group's agreed (``dst_ranks.agreed_report``). ``t0``: the static plan's step."""
+    return dict(step_time_planned_s=step, speedup=t0 / step if step > 0 else 1.0,
+                imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
+                mean_density=float(mean), density_per_stage=tuple(float(x) for x in stage),
+                units_cut=int(counts[0]), units_raised=int(counts[1]))
 
 
 def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:

@@ -79,7 +79,7 @@ class RankProbes:
                 cur, f_mk = self._fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
             for j, step in zip(below.tolist(), self.steps[below].tolist()):
-                # the shallowest fill below the probe (raised earlier), within SCALE of it
+                # the shallowest fill at or below the probe (raised earlier)
                 self.free[j] = next((f for f in own if f[1] <= step), self.start)
             supply_k[below] = np.stack([self.free[j][2] for j in below]) - kept0
             supply_q[below] = np.array([self.free[j][3] for j in below]) - q0

@@ -11,7 +11,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +21,7 @@ from .density_means import WeightTotals
 from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, DSTReport, band_pass, cut_rows, plan_reports, raise_rows,
-                       uniform_cut)
+                       step_fields, uniform_cut)
 from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
@@ -57,19 +57,20 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
                      formula=formula)
 
 
-@dataclass
 class Agreed1:
-    """AR1's results: the anchors (mean, max), the static step T0 and the weight totals
-    (every rank's)."""
-    anchors: dict
-    t0: float
-    totals: WeightTotals        # of every rank's weights (routed work included)
-    units: int                  # micro-batches over all ranks
-    dp: int = 1                 # DP ranks
-    tokens: float = 0.0         # the step's tokens (the quality change's denominator)
-    mk_lo: float = 0.0          # the step with every unit at the uniform trade's lower density
-    q_lo: float = 0.0           # that plan's quality change, summed over the step's units
-    mk0_mean: float = 0.0       # the static makespans' mean
+    """AR1's results, read off its agreed sums and maxima (``RankDST.ar1``'s keys): the anchors
+    (mean, max), the static step T0 and the weight totals (every rank's, routed work
+    included); the step's micro-batches, DP ranks and tokens (the quality change's
+    denominator); ``mk_lo``, the step with every unit at the uniform trade's lower density, and
+    ``q_lo``, that plan's quality change summed over the step's units; the static makespans'
+    mean."""
+
+    def __init__(self, a: dict):
+        self.anchors = {"mean": float(a["busy"] / a["busy_n"]), "max": float(a["busy_max"])}
+        self.t0, self.totals = float(a["mk0"]), WeightTotals.of_sums(a["tot_s"], a["dense_s"])
+        self.units, self.dp, self.tokens = int(a["units"]), int(a["ranks"]), float(a["tokens"])
+        self.mk_lo, self.q_lo = float(a["mk_lo"]), float(a["q_lo"])
+        self.mk0_mean = float(a["mk0_sum"]) / self.dp
 
     def uniform_rate(self) -> float:
         """The step's uniform trade: nats per token that lowering every unit's density to the
@@ -96,11 +97,8 @@ def agreed_report(r: DSTReport, a1: Agreed1, a: dict, **fields) -> DSTReport:
     stage (sums), makespan (max) and the makespans' sum, and its units cut and raised
     (``counts``); ``fields``: the report's other fields that change."""
     mean, stage = a1.densities(a["kept_s"], lambda: a["plain_s"] / a1.units)
-    step, mean_mk = float(a["mk"]), float(a["mk_sum"]) / a1.dp
-    return replace(r, step_time_planned_s=step, speedup=a1.t0 / step if step > 0 else 1.0,
-                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
-                   mean_density=float(mean), density_per_stage=tuple(float(x) for x in stage),
-                   units_cut=int(a["counts"][0]), units_raised=int(a["counts"][1]), **fields)
+    return replace(r, **step_fields(a1.t0, float(a["mk"]), float(a["mk_sum"]) / a1.dp, mean,
+                                    stage, a["counts"]), **fields)
 
 
 class RankDST:

@@ -31,7 +31,6 @@ import numpy as np
 
 from .agreed_stats import straggler_present
 from .costs import UnitCosts
-from .density_means import WeightTotals
 from .dst_band import SPEED_TIE, DSTPlan, DSTReport
 from .dst_ranks import PHASES, Agreed1, RankDST, agreed_report, rank_slice
 from .dst_settings import DSTSettings
@@ -51,16 +50,6 @@ class RankPlan:
     cpu_s: np.ndarray              # [len(PHASES)] the rank's thread CPU by phase
 
 
-def agreed1(a: dict) -> Agreed1:
-    """AR1's agreed sums and maxima (``RankDST.ar1``'s keys) as the numbers the rounds read."""
-    anchors = {"mean": float(a["busy"] / a["busy_n"]), "max": float(a["busy_max"])}
-    return Agreed1(anchors=anchors, t0=float(a["mk0"]),
-                   totals=WeightTotals.of_sums(a["tot_s"], a["dense_s"]),
-                   units=int(a["units"]), dp=int(a["ranks"]),
-                   mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]), tokens=float(a["tokens"]),
-                   mk_lo=float(a["mk_lo"]), q_lo=float(a["q_lo"]))
-
-
 def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
                 narrow: bool = False) -> Generator[Parts, dict, RankPlan]:
     """The rank's rounds (module docstring). ``costs``: the rank's [1, m, stages] slice
@@ -75,7 +64,7 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
         return out
 
     rk = timed(0, RankDST, costs, sensitivity, settings, quality=quality, narrow=narrow)
-    a1 = agreed1((yield timed(0, rk.ar1)))
+    a1 = Agreed1((yield timed(0, rk.ar1)))
     a2 = yield timed(1, rk.cut, a1)
     a3 = yield timed(2, rk.raise_, a2)
     k = timed(3, rk.choose, a3)

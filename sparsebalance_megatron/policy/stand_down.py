@@ -16,8 +16,9 @@ import numpy as np
 from ..config import STAND_DOWN_COMPARES
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts
-from .dst_band import REL_EPS
 from .dst_rounds import group_max, plan_rounds_in_process
+
+REL_EPS = 1e-9            # float slack when comparing step times (a tie is not slower)
 
 
 def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0) -> float:
