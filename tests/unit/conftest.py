@@ -35,6 +35,8 @@ from tests.unit._interpreter import skip_dead_overflow_checks
 skip_dead_overflow_checks()
 modules = {}
 for line in sys.stdin:
+    if line == "stop\\n":
+        break
     path, name, kw = json.loads(line)
     try:
         if path not in modules:
@@ -47,7 +49,7 @@ for line in sys.stdin:
     except BaseException:
         res = traceback.format_exc()
     print("@@RESULT " + json.dumps(res), flush=True)
-os._exit(0)     # stdin closed: skip the interpreter's teardown (a second or more of torch's)
+os._exit(0)     # stopped: skip the interpreter's teardown (a second or more of torch's)
 """
 
 
@@ -94,7 +96,10 @@ class _InterpWorker:
         threading.Thread(target=read, daemon=True).start()
 
     def close(self) -> None:
+        """Stop it by a word, not by its stdin's end: a process forked from this one meanwhile
+        (the rank server) holds a copy of the pipe's write end."""
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.write("stop\n")
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
 
