@@ -100,7 +100,7 @@ def test_a_bad_input_is_said_once_per_job(tmp_path, small_jsonl):
                          "run completes and its metrics name the fallback")
 def test_a_failing_attention_kernel_falls_back_and_the_run_completes(tmp_path, small_jsonl,
                                                                       analytic_latency_table_pp2):
-    from tests.conftest import read_metrics, run_entry
+    from tests.conftest import PLANNER_THREAD, read_metrics, run_entry
 
     table = json.loads(Path(analytic_latency_table_pp2).read_text())
     table["attention"]["backend_choice"] = {"chosen": "fa4", "seconds": {
@@ -113,7 +113,8 @@ def test_a_failing_attention_kernel_falls_back_and_the_run_completes(tmp_path, s
                          "--global-batch-size", "4", "--train-iters", "4", "--data-path",
                          small_jsonl, "--sb-latency-table", path, "--sb-latency-table-force",
                          "--sb-timing-source", "model", "--sb-fault", "1:2:fa4-fails",
-                         "--sb-metrics-file", tmp_path / "m.jsonl"], cwd=tmp_path)
+                         "--sb-metrics-file", tmp_path / "m.jsonl", *PLANNER_THREAD],
+                     cwd=tmp_path)
     out = proc.stdout
     failed = [ln for ln in out.splitlines() if "attention kernel failed on" in ln]
     assert len(failed) == 1 and failed[0].startswith(

@@ -6,14 +6,11 @@
   documents and densities makes one graph per grad mode.
 - BlockMask: per KV group, lists sized by the kept counts, transposed lists equal to a dense
   transposition; eager flex (mask_mod only) with the fixed-length layout equals the reference.
-- The Triton maxkey kernel (interpreter, CPU) equals the PyTorch estimator.
+- The Triton maxkey kernel (interpreter, CPU: the ``interp`` worker of ``tests/unit/conftest.py``)
+  equals the PyTorch estimator.
 """
 
-import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -155,35 +152,29 @@ def test_flex_compiles_one_graph_per_grad_mode_across_micro_batches(split, monke
     torch._dynamo.reset()
 
 
-def test_triton_maxkey_kernel_equals_the_torch_estimator():
-    pytest.importorskip("triton")
-    code = textwrap.dedent("""
-        import torch
-        from sparsebalance_megatron.attention import build_layout, maxkey_triton
-        from sparsebalance_megatron.attention.selection import (
-            _maxkey_scores_torch, _mean, query_block_sums_padded)
-        from tests.unit._interpreter import skip_dead_overflow_checks
-        skip_dead_overflow_checks()
-        cu, bs = [0, 70, 71, 200, 333], 16
-        lay = build_layout(cu, 333, bs, "cpu")
-        g = torch.Generator().manual_seed(5)
-        q, k = torch.randn(333, 6, 16, generator=g), torch.randn(333, 2, 16, generator=g)
-        qsum = query_block_sums_padded(lay.pad(q), lay, 2)
-        keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
-        assert maxkey_triton.usable(keys, bs)
-        a = maxkey_triton.maxkey_scores(qsum, keys, lay, 0.7)
-        b = _maxkey_scores_torch(_mean(qsum, lay), keys, lay) * 0.7
-        ok = lay.allowed()[None, :, None, :].expand_as(a)
-        assert torch.allclose(a[ok], b[ok], atol=1e-5), (a[ok] - b[ok]).abs().max()
-        nb = lay.num_blocks
-        later = (torch.arange(nb)[None, :] > torch.arange(nb)[:, None])[None, :, None, :]
-        assert bool((a[later.expand_as(a)] == float("-inf")).all())
-        print("OK")
-    """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+def check_triton_maxkey_kernel_equals_the_torch_estimator():
+    """In the ``interp`` worker (``TRITON_INTERPRET=1``)."""
+    from sparsebalance_megatron.attention import maxkey_triton
+    from sparsebalance_megatron.attention.selection import (_maxkey_scores_torch, _mean,
+                                                            query_block_sums_padded)
+    cu, bs = [0, 70, 71, 200, 333], 16
+    lay = build_layout(cu, 333, bs, "cpu")
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(333, 6, 16, generator=g), torch.randn(333, 2, 16, generator=g)
+    qsum = query_block_sums_padded(lay.pad(q), lay, 2)
+    keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
+    assert maxkey_triton.usable(keys, bs)
+    a = maxkey_triton.maxkey_scores(qsum, keys, lay, 0.7)
+    b = _maxkey_scores_torch(_mean(qsum, lay), keys, lay) * 0.7
+    ok = lay.allowed()[None, :, None, :].expand_as(a)
+    assert torch.allclose(a[ok], b[ok], atol=1e-5), (a[ok] - b[ok]).abs().max()
+    nb = lay.num_blocks
+    later = (torch.arange(nb)[None, :] > torch.arange(nb)[:, None])[None, :, None, :]
+    assert bool((a[later.expand_as(a)] == float("-inf")).all())
+
+
+def test_triton_maxkey_kernel_equals_the_torch_estimator(interp):
+    interp("check_triton_maxkey_kernel_equals_the_torch_estimator")
 
 
 def test_flex_compile_failure_at_small_blocks_names_the_block_size(monkeypatch):

@@ -3,8 +3,8 @@
 selection, FA4's forward and backward block-sparse tensors read the way its kernels read them
 (the diagonal the only partial block, under the causal mask_mod; every other kept block full)
 against the selection's token mask; the custom op's autograd wiring on fake tensors; the
-refusals. Checks that build lists run in the ``interp`` worker (``tests/unit/conftest.py``: one
-``TRITON_INTERPRET=1`` process for this module; triton decides interpretation when a kernel is
+refusals. Checks that build lists run in the ``interp`` worker (``tests/unit/conftest.py``: the
+session's ``TRITON_INTERPRET=1`` process; triton decides interpretation when a kernel is
 decorated).
 
 Where flash-attn-4 imports (``flash_attn.cute``), ``test_fa4_compiles_our_lists_for_hopper``

@@ -1,20 +1,25 @@
 """After an attention kernel fell back on some rank (``megatron/step/fallback_sync.py``): every rank
 adopts the furthest fallback of the step's gather, the latency model is re-priced by the table's
-timing of the two kernels (the sparse kernel's terms scaled, nothing else), rank 0 says it."""
+timing of the two kernels (the sparse kernel's terms scaled, nothing else), rank 0 says it; a rank's
+planner process, whose copy of the model is the old one, is restarted."""
 
 from __future__ import annotations
 
 import copy
+import types
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from sparsebalance_megatron.batching import SensitivityTracker
 from sparsebalance_megatron.latency.model import LatencyModel
 from sparsebalance_megatron.latency.shape import ModelShape
 from sparsebalance_megatron.megatron.model.backend_fallback import BackendFallback
 from sparsebalance_megatron.megatron.step import fallback_sync
 from sparsebalance_megatron.megatron.step.fallback_sync import follow, reported, reprice
+from sparsebalance_megatron.megatron.step.planning import PlannerFailures, StepPlanning
+from tests.unit.test_plan_ahead import M, _drafter, _plain, steps  # noqa: F401  (fixture)
 
 SHAPE = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, seq_length=4096, pp=2)
@@ -89,3 +94,44 @@ def test_a_table_that_did_not_time_both_kernels_leaves_the_model(monkeypatch):
     assert follow(cb, 2, iteration=4)["factor"] is None
     assert all(np.array_equal(coef[k][p], cb.latency.coef[k][p]) for k in coef for p in coef[k])
     assert "not re-priced: the latency table did not time both kernels" in said[0]
+
+
+def test_a_fallback_restarts_the_planner_process_with_the_repriced_model(
+        monkeypatch, steps, lenient_draft_deadline):
+    """``follow`` on a rank with a real planner process (``StepPlanning._start_process``, a fresh
+    interpreter): the calibration a draft request carries does not carry the re-pricing, so only
+    a new process drafts for the kernel that runs; it takes the next drafts once ready
+    (``_planner_up``, ``restarting``; tests/unit/test_planner_faults.py)."""
+    monkeypatch.setattr(fallback_sync.comm, "say", lambda line: None)
+    lm = copy.deepcopy(steps.lm)
+    lm.table = dict(lm.table, attention=dict(lm.table["attention"], backend_choice={
+        "chosen": "fa4", "seconds": {"fa4": 1.0e-3, "triton": 1.5e-3}}))
+    drafter = _drafter(lm, SensitivityTracker())
+    budget = SimpleNamespace(attention_backend="triton", fallback=BackendFallback())
+    budget.fallback.events.append({"from": "fa4", "to": "triton", "shape": "", "error": ""})
+    cb = SimpleNamespace(budget=budget, latency=lm, device="cpu", _process=None,
+                         _failures=PlannerFailures(), drafter=lambda: drafter,
+                         sb=SimpleNamespace(attention_backend="auto", planner_timeout=30.0),
+                         args=SimpleNamespace(distributed_timeout_minutes=None))
+    for name in ("_start_process", "close_planner", "_planner_timeout_s"):
+        setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
+    segs = steps.segments[0]
+
+    def draft(process):
+        return process.submit(1, 0, segs, M, with_dst=True, tracker_sync=None, basis={},
+                              latency_state=lm.calibration_state()).result()
+
+    cb._start_process()
+    old = cb._process
+    try:
+        before = draft(old)
+        assert follow(cb, 2, iteration=0)["factor"] == 1.5
+        new = cb._process
+        assert new is not old and old.proc.poll() is not None      # the old one ended
+        assert cb._failures.restarting and cb._failures.count == 0  # a restart, no failure
+        after = draft(new)
+        assert _plain(after) == _plain(drafter.draft(1, 0, segs, M, with_dst=True))
+        assert _plain(after) != _plain(before)                      # the re-pricing moved it
+    finally:
+        old.close()
+        cb.close_planner()
