@@ -98,18 +98,9 @@ def test_torch_backend_on_cuda_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_maxkey_equals_torch_estimator(dtype):
-    from sparsebalance_megatron.attention import maxkey_triton
-    from sparsebalance_megatron.attention.selection import (_maxkey_scores_torch, _mean,
-                                                            query_block_sums_padded)
-    cu, bs = [0, 700, 701, 3000, 4096], 64
-    lay = build_layout(cu, 4096, bs, "cuda")
+    from tests.maxkey_check import maxkey_pair
     q, k, _, _ = _inputs(4096, 8, 2, 128, dtype, seed=2)
-    qsum = query_block_sums_padded(lay.pad(q), lay, 2)
-    keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
-    assert maxkey_triton.usable(keys, bs)
-    a = maxkey_triton.maxkey_scores(qsum, keys, lay, 0.7)
-    b = _maxkey_scores_torch(_mean(qsum, lay), keys, lay) * 0.7
-    ok = lay.allowed()[None, :, None, :].expand_as(a)
+    a, b, ok, _ = maxkey_pair([0, 700, 701, 3000, 4096], 4096, 64, q, k, "cuda")
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     assert float((a[ok] - b[ok]).abs().max() / b[ok].abs().max()) < tol
 

@@ -154,19 +154,10 @@ def test_flex_compiles_one_graph_per_grad_mode_across_micro_batches(split, monke
 
 def check_triton_maxkey_kernel_equals_the_torch_estimator():
     """In the ``interp`` worker (``TRITON_INTERPRET=1``)."""
-    from sparsebalance_megatron.attention import maxkey_triton
-    from sparsebalance_megatron.attention.selection import (_maxkey_scores_torch, _mean,
-                                                            query_block_sums_padded)
-    cu, bs = [0, 70, 71, 200, 333], 16
-    lay = build_layout(cu, 333, bs, "cpu")
+    from tests.maxkey_check import maxkey_pair
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(333, 6, 16, generator=g), torch.randn(333, 2, 16, generator=g)
-    qsum = query_block_sums_padded(lay.pad(q), lay, 2)
-    keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
-    assert maxkey_triton.usable(keys, bs)
-    a = maxkey_triton.maxkey_scores(qsum, keys, lay, 0.7)
-    b = _maxkey_scores_torch(_mean(qsum, lay), keys, lay) * 0.7
-    ok = lay.allowed()[None, :, None, :].expand_as(a)
+    a, b, ok, lay = maxkey_pair([0, 70, 71, 200, 333], 333, 16, q, k, "cpu")
     assert torch.allclose(a[ok], b[ok], atol=1e-5), (a[ok] - b[ok]).abs().max()
     nb = lay.num_blocks
     later = (torch.arange(nb)[None, :] > torch.arange(nb)[:, None])[None, :, None, :]
