@@ -300,7 +300,7 @@ def refresh_counts(n: int) -> list:
 def refresh_task(args) -> tuple:
     """--refresh: the probe's forwards on fresh held-out micro-batches, micro-batch by
     micro-batch (a run stopped part-way has the first ones whole): ``(jobs, samples, cache)``
-    for ``measure`` and the micro-batches (lists of sample indices)."""
+    for ``measure``, the micro-batches (lists of sample indices) and the documents' lengths."""
     enc = smollm2.encoder(smollm2.tokenizer())
     seq = QUICK_SEQ if args.quick else SEQ
     n = (seq // args.lengths[0] + 1) * (args.refresh_microbatches + 1)
@@ -311,14 +311,13 @@ def refresh_task(args) -> tuple:
     jobs = [(i, v) for mb in bins for i in mb for v in vectors]
     print(f"refresh: {len(bins)} held-out micro-batches of {sum(map(len, bins))} documents, "
           f"{len(jobs)} forwards (cache {args.refresh_cache})", flush=True)
-    return (jobs, samples, Cache(args.refresh_cache)), bins
+    return (jobs, samples, Cache(args.refresh_cache)), bins, lengths
 
 
-def refresh_report(args, cost, task: tuple, bins: list, got: list) -> tuple:
+def refresh_report(args, cost, task: tuple, bins: list, lengths: list, got: list) -> tuple:
     """The refreshes made of the first 1, 2, 4, ... held-out micro-batches' forwards ``got``
     (``task``'s rows): (the report [per count of micro-batches], {name: scales})."""
     jobs, samples, _ = task
-    lengths = [smollm2.tokens(s) + 1 for s in samples]
     vectors = refresh_vectors(args.density)
     rows = {(i, tuple(v)): r for (i, v), r in zip(jobs, got)}
     report, found = [], {}
@@ -352,7 +351,7 @@ def validate(args) -> int:
             if v in (REFERENCE, *MENU) or any(p.get(i) == v for _, p, _ in own)]
     print(f"{len(samples)} held-out samples, {len(checked) + len(own)} plans, {len(jobs)} "
           f"forwards (cache {args.cache})", flush=True)
-    refresh, bins = refresh_task(args) if args.refresh else (None, None)
+    refresh, bins, doc_lengths = refresh_task(args) if args.refresh else (None, None, None)
     got, *refresh_got = measure(args, (jobs, samples, Cache(args.cache)),
                                 *([refresh] if refresh else []))
     if args.shard[1] > 1:
@@ -364,7 +363,8 @@ def validate(args) -> int:
     models = {"fitted": predictor(model, args.density, layers)}
     refreshed = {}
     if args.refresh:
-        report, refreshed = refresh_report(args, model, refresh, bins, refresh_got[0])
+        report, refreshed = refresh_report(args, model, refresh, bins, doc_lengths,
+                                            refresh_got[0])
         models.update(refreshed_models(args.model, refreshed, args.density, layers))
     calib = [r for r in Cache(args.calibration_cache).rows.values()] \
         if os.path.exists(args.calibration_cache) else []
