@@ -18,6 +18,7 @@ import random
 import numpy as np
 
 from sparsebalance_megatron.data.packing import sequential_bins
+from sparsebalance_megatron.quality.cost import DEFAULT_QUALITY_COST as DEFAULT_MODEL
 
 from . import smollm2
 from .smollm2 import Cache, measure
@@ -32,8 +33,6 @@ CALIBRATION = ([(0.5, 0.5, 0.5)]
                + [(1.0, 1.0, 0.35), (0.35, 0.7, 0.7), (0.7, 0.35, 1.0)])
 CALIBRATION_SEED_BASE = 200_000
 VALIDATION_SEED_BASE = 300_000
-DEFAULT_MODEL = os.path.join(ROOT, "sparsebalance_megatron", "quality",
-                             "quality_model_smollm2.json")
 
 
 def parse_args(argv=None):
