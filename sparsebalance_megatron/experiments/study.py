@@ -76,9 +76,9 @@ from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
 from ..policy.dst_rounds import plan_dst
 from ..policy.dst_settings import dst_inputs
+from ..policy.stand_down import choose_step
 from ..quality.cost import load_quality_cost
 from ..quality.stages import StageQuality
-from ..policy.stand_down import choose_step
 from .heterogeneous import rank_scale, scale_costs
 from .net_gate import NetGate
 from .study_rows import VariantAccumulator, format_table  # noqa: F401  (format_table: re-exported)

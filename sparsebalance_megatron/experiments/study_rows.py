@@ -17,8 +17,8 @@ from typing import Optional
 import numpy as np
 
 from ..policy import UnitCosts
-from ..policy.stand_down import StandDownCounts
 from ..policy.quality_bound import bind_quality
+from ..policy.stand_down import StandDownCounts
 from ..sim.pipeline import interleaved_refusal, simulate_1f1b
 
 
