@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["sparsebalance_megatron", "sparsebalance_megatron.*"]),
     # the default quality cost of --sb-dst-objective quality (SmolLM2-135M, measured)
-    package_data={"sparsebalance_megatron.policy": ["quality_model_smollm2.json"]},
+    package_data={"sparsebalance_megatron.quality": ["quality_model_smollm2.json"]},
     install_requires=[
         # The tested range (compat.TESTED_MEGATRON_CORE; a launch on another version says so):
         # megatron-core 0.19.2 from PyPI and 0.20.0 (Megatron-LM main d98e8a64dd, not on PyPI

@@ -18,6 +18,7 @@ import random
 import numpy as np
 
 from sparsebalance_megatron.data.packing import sequential_bins
+from sparsebalance_megatron.quality.cost import DEFAULT_QUALITY_COST as DEFAULT_MODEL
 
 from . import smollm2
 from .smollm2 import Cache, measure
@@ -32,8 +33,6 @@ CALIBRATION = ([(0.5, 0.5, 0.5)]
                + [(1.0, 1.0, 0.35), (0.35, 0.7, 0.7), (0.7, 0.35, 1.0)])
 CALIBRATION_SEED_BASE = 200_000
 VALIDATION_SEED_BASE = 300_000
-DEFAULT_MODEL = os.path.join(ROOT, "sparsebalance_megatron", "policy",
-                             "quality_model_smollm2.json")
 
 
 def parse_args(argv=None):
@@ -170,7 +169,7 @@ def dst_plans(args, a, lengths: list) -> list:
 
 def predictor(cost, d0: float, layers: int):
     """predict(vector, length) -> the model's per-token change against uniform d0."""
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.stages import StageQuality
 
     def predict(vec, length):
         q = StageQuality.from_cost(cost, [layers / len(vec)] * len(vec), d0)
@@ -214,7 +213,7 @@ def score_plans(checked: list, rows: dict, samples: list, models: dict) -> list:
 def refreshed_models(path: str, found: dict, d0: float, layers: int) -> dict:
     """{name: (predict, None)} of the model at ``path`` refreshed by each of ``found``'s scales,
     as a run plans with them (``scaled_quality_cost``)."""
-    from sparsebalance_megatron.policy.quality_refresh import scaled_quality_cost
+    from sparsebalance_megatron.quality.refresh import scaled_quality_cost
 
     return {name: (predictor(scaled_quality_cost(path, tuple(float(x) for x in s)), d0,
                              layers)[0], None) for name, s in found.items()}
@@ -260,7 +259,7 @@ def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
 
 def probe_tested(d0: float) -> float:
     """The probe's density: ``probe_density(d0)`` at the runtime's ratio."""
-    from sparsebalance_megatron.policy.quality_refresh import probe_density
+    from sparsebalance_megatron.quality.refresh import probe_density
 
     return round(probe_density(d0), 6)
 
@@ -270,7 +269,7 @@ def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
     (its length, [rows of the passes of ``refresh_vectors``] with ``loss`` and ``tokens``),
     through the probe's ``pass_stats`` and ``changes`` and the policy's ``refresh_scales``."""
     from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
-    from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, refresh_scales,
+    from sparsebalance_megatron.quality.refresh import (predicted_changes, refresh_scales,
                                                                shrink_weight)
 
     g = len(cost.groups)
@@ -339,7 +338,7 @@ def _fmt(values) -> str:
 
 def validate(args) -> int:
     from sparsebalance_megatron.eval import quality_fit
-    from sparsebalance_megatron.policy.quality import QualityCost
+    from sparsebalance_megatron.quality.cost import QualityCost
 
     enc = smollm2.encoder(smollm2.tokenizer())
     samples = smollm2.samples(args.kinds, args.samples, args.lengths, VALIDATION_SEED_BASE, enc)

@@ -1,4 +1,4 @@
-"""Fitting the planner's quality model (``policy.quality``) to measured losses, offline
+"""Fitting the planner's quality model (``quality.cost``) to measured losses, offline
 (``scripts/bench.py plan_quality --calibrate``; the planner only reads the fitted file).
 
 A measurement row is one sample scored with one density per depth group (``vector``): its
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy.quality import GroupCost, QualityCost, Replicate
+from ..quality.cost import GroupCost, QualityCost, Replicate
 
 KNOTS = (0.35, 0.4, 0.5, 0.7, 1.0)
 BETAS = tuple(np.round(np.arange(-2.5, 1.01, 0.25), 4))

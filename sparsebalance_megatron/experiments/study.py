@@ -53,7 +53,7 @@ density weighted by layers x dense attention work (routed documents at 1.0; ``sp
 the sparse path's documents alone), the same per (virtual) stage and its minimum, micro-batches
 per rank (Megatron's dp_balanced varies them),
 the predicted LM-loss change against uniform d0 under the shipped quality cost mapped onto the run's
-layout (``policy.quality``, what the quality objective plans with; mean over steps; the same
+layout (``quality.cost``, what the quality objective plans with; mean over steps; the same
 measure for both DST objectives) and the planning time. Sensitivities come from the length prior (nothing is measured in a
 simulation).
 
@@ -76,9 +76,9 @@ from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
 from ..policy.dst_rounds import plan_dst
 from ..policy.dst_settings import dst_inputs
-from ..policy.quality import load_quality_cost
-from ..policy.quality_stages import StageQuality
 from ..policy.stand_down import choose_step
+from ..quality.cost import load_quality_cost
+from ..quality.stages import StageQuality
 from .heterogeneous import rank_scale, scale_costs
 from .net_gate import NetGate
 from .study_rows import VariantAccumulator, format_table  # noqa: F401  (format_table: re-exported)

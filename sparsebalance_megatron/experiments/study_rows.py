@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from ..policy import UnitCosts
+from ..policy.quality_bound import bind_quality
 from ..policy.stand_down import StandDownCounts
 from ..sim.pipeline import interleaved_refusal, simulate_1f1b
 
@@ -71,7 +72,7 @@ class VariantAccumulator:
         if plan_ms is not None:
             self.plan_ms.append(plan_ms)
         if quality is not None:
-            self.loss.append(quality.bind(costs).plan_cost(densities))
+            self.loss.append(bind_quality(quality, costs).plan_cost(densities))
 
     def row(self, baseline_step_s: Optional[float], baseline_net_s: Optional[float] = None
             ) -> dict:

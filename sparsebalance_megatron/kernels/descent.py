@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import i64, jit
+from . import i64, jit, slack
 from .graph import earliest_finish, makespan, simulate, unit_floats
-from .grid import SCALE, fit_limit, highest_within, seconds, source, total
+from .grid import fit_limit, highest_within, seconds, source, total
+from .slack import SCALE
 from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
@@ -337,8 +338,8 @@ def raise_limit(deadline, mk) -> np.ndarray:
     """Each DP rank's makespan limit in a raise, the descent's and the band pass's
     (``policy.dst_band.raise_rows``): a rank may grow up to ``deadline`` (``fit_limit``); one
     already above it before the raise (makespans ``mk``: the bottleneck rank, in a pipeline)
-    may only fill stages off its critical path. (Python's form of ``fit_limit`` on the array.)"""
-    return fit_limit.py_func(np.maximum(deadline, mk))
+    may only fill stages off its critical path."""
+    return slack.fit_limit(np.maximum(deadline, mk))
 
 
 def warm_up() -> None:

@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import jit
+from . import jit, slack
 
-SCALE = 1.0 + 1e-9           # a limit's float slack: seconds within it fit
-
-
-@jit(inline=True)
-def fit_limit(s):
-    """The most seconds that fit under ``s`` (a number or an array): ``s`` x ``SCALE`` + 1e-15,
-    so that a tie in float is a fit (a descent's unit limits, every raise's makespans)."""
-    return s * SCALE + 1e-15
+fit_limit = jit(slack.fit_limit, inline=True)      # the float slack, compiled (``slack``)
 
 
 @jit(inline=True)

@@ -64,7 +64,7 @@ class UnitCosts:
     unit_docs: optional (offsets [dp * m + 1], lengths [docs], tokens [dp * m], sparse [docs])
     of every micro-batch's documents (padding left out): their lengths, each micro-batch's tokens
     and which documents run sparse (the others are routed dense). The quality model weighs a
-    unit's loss change by them (``quality.StageQuality.bind``); None: every unit alike.
+    unit's loss change by them (``quality_bound.bind_quality``); None: every unit alike.
     kept_grid: optional [dp, m, g] block pairs the attention keeps of each micro-batch at each
     grid density (``UnitFeatures.kept_grid``), non-decreasing along the grid; where two
     densities of a unit keep as many, they keep the same blocks at the same cost. With it a

@@ -24,6 +24,7 @@ from .dst_band import (SPEED_TIE, DSTReport, band_pass, cut_rows, plan_reports, 
                        step_fields, uniform_cut)
 from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
+from .quality_bound import bind_quality
 
 UNIFORM_STEP = 0.9           # the 'auto' exchange rate: the uniform trade from d0 to 0.9 x d0
 MAX_EXCHANGE_RATE = 1.0      # nats per token per 1%: where a lower density buys no time
@@ -115,7 +116,7 @@ class RankDST:
         self.descend_on = s.descent and s.raise_to == "bottleneck" and s.anchor != "max" \
             and s.density_floor > 0
         # the quality model on this rank's units (their documents' lengths and tokens)
-        quality = None if quality is None else quality.bind(costs)
+        quality = None if quality is None else bind_quality(quality, costs)
         self.costs, self.settings, self.quality, self.narrow = costs, s, quality, narrow
         self.tokens = quality.tokens if quality is not None else float(costs.shape[1])
         cands = candidate_tree(s, narrow)

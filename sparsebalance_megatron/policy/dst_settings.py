@@ -95,11 +95,11 @@ def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional
     ``stage_layers`` (the decoder layers of every (virtual) stage) maps the quality model onto
     the stages: without it a ``ValueError`` (no silent fall-back to the density objective);
     ``dst_objective="density"`` needs none. ``quality_scales``: the depth groups'
-    scales of the run's last quality refresh (``quality_refresh``; None: the model as loaded)."""
+    scales of the run's last quality refresh (``quality.refresh``; None: the model as loaded)."""
     quality = None
     if config.dst_objective == "quality":
-        from .quality_refresh import scaled_quality_cost
-        from .quality_stages import StageQuality
+        from ..quality.refresh import scaled_quality_cost
+        from ..quality.stages import StageQuality
         if stage_layers is None or len(stage_layers) != stages:
             raise ValueError(f"--sb-dst-objective quality (the default) needs the decoder "
                              f"layers of each of the {stages} stages, got "

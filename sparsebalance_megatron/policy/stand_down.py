@@ -14,12 +14,10 @@ from typing import Callable, Generator, Optional, Sequence
 import numpy as np
 
 from ..config import STAND_DOWN_COMPARES
+from ..kernels.slack import fit_limit
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts
 from .dst_rounds import group_max, plan_rounds_in_process
-
-REL_EPS = 1e-9            # float slack when comparing step times (a tie is not slower)
-
 
 def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0) -> float:
     """Predicted step time of a plan: max over DP ranks of the pipeline makespan (1F1B, or the
@@ -33,8 +31,9 @@ def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0
 
 
 def slower(t_s: float, reference_s: float) -> bool:
-    """t_s predicted slower than reference_s (a tie, within ``REL_EPS``, is not slower)."""
-    return t_s > reference_s * (1.0 + REL_EPS) + 1e-15
+    """t_s predicted slower than reference_s (a tie, within the planner's float slack
+    ``kernels.slack.fit_limit``, is not slower)."""
+    return t_s > fit_limit(reference_s)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            weighted_mean_density)
 from sparsebalance_megatron.policy.critical_path import descend_at, descent_round
+from sparsebalance_megatron.policy.quality_bound import bind_quality
 from tests.unit._bands import stage_mean_densities
 from tests.unit._floats import unit_floats
 
@@ -39,7 +40,7 @@ def test_descent_never_slower_keeps_the_floors_and_quality():
         assert weighted_mean_density(d, w) >= 0.9 * D0 - 1e-9
         assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
         if q is not None:
-            assert q.bind(costs).plan_cost(d) <= 1e-12
+            assert bind_quality(q, costs).plan_cost(d) <= 1e-12
         if not np.array_equal(d, band.densities):             # descended: spends no density
             assert weighted_mean_density(d, w) >= D0 - 1e-9
         # the report describes the plan returned

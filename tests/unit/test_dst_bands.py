@@ -88,8 +88,8 @@ def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
     default rate ('auto') is the step's own uniform trade."""
     from dataclasses import replace
 
-    from sparsebalance_megatron.policy.quality import load_quality_cost
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.cost import load_quality_cost
+    from sparsebalance_megatron.quality.stages import StageQuality
     costs = _slow_rank_costs()
     q = StageQuality.from_cost(load_quality_cost(None), [12, 12], D0)
     floors = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9,

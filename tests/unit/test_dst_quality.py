@@ -8,6 +8,7 @@ import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, density_grid, plan_dst
 from sparsebalance_megatron.policy.dst_band import SPEED_TIE
+from sparsebalance_megatron.policy.quality_bound import bind_quality
 from tests.unit._bands import band_plan, band_plans, central_plan, rule_free
 from tests.unit._costs import affine_costs
 
@@ -24,7 +25,7 @@ def test_quality_water_filling_spreads_cuts_over_equal_micro_batches():
     fixed[..., 1] += 0.6                                   # LM-head stage
     costs = affine_costs(g, fixed, np.full((1, 4, 2), 1.0))
     sens = np.asarray([[0.1, 0.2, 0.3, 0.4]])
-    q = _quality(2).bind(costs)
+    q = bind_quality(_quality(2), costs)
     fill = band_plans(costs, sens, DSTSettings(D0, DMIN, DMAX), [("mean", 0.0)], quality=q)[0]
     order = band_plan(costs, sens, D0, DMIN, DMAX, tolerance=0.0)
     last_fill, last_order = fill.densities[0, :, 1], order.densities[0, :, 1]
@@ -42,7 +43,7 @@ def test_quality_objective_keeps_predicted_quality_and_speed():
         dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 7)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=500 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens = rng.random((dp, m))
-        q = _quality(pp).bind(costs)
+        q = bind_quality(_quality(pp), costs)
         # the choice between the objectives' plans (each descended alone would end elsewhere:
         # tests/unit/test_critical_path.py)
         floors = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
@@ -71,7 +72,7 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
     for case in range(40):
         dp, m, pp = int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=900 + case, lm_head=float(rng.uniform(0.3, 3)))
-        sens, q = rng.random((dp, m)), _quality(pp).bind(costs)
+        sens, q = rng.random((dp, m)), bind_quality(_quality(pp), costs)
         settings = rule_free(DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
                                          p2p_s=0.0, density_floor=0.9,
                                          raise_headroom=0.0, stage_density_floor=0.75,
@@ -171,7 +172,7 @@ def test_a_cut_is_adopted_only_where_it_pays_and_the_model_is_sure():
         base = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75)
         searched = plan_dst(costs, sens, rule_free(base), quality=q)
         nocut = band_plans(costs, sens, base, [("max", base.tolerance)],
-                           quality=q.bind(costs))[0]
+                           quality=bind_quality(q, costs))[0]
         assert nocut.report.units_cut == 0 and nocut.report.quality_cost <= 1e-12
         for rate in (0.0, 0.002, 0.02, 1e9):
             plan = plan_dst(costs, sens, replace(base, exchange_rate=rate), quality=q)

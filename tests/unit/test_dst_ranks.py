@@ -14,6 +14,7 @@ from sparsebalance_megatron.policy import DSTSettings, plan_dst, weighted_mean_d
 from sparsebalance_megatron.policy.bands import candidate_tree
 from sparsebalance_megatron.policy.dst_ranks import rank_slice
 from sparsebalance_megatron.policy.dst_band import SPEED_TIE
+from sparsebalance_megatron.policy.quality_bound import bind_quality
 from tests.unit._bands import (central_descent, central_plan, rule_free, stage_mean_densities,
                                without_adoption)
 
@@ -24,13 +25,13 @@ FLOORS = dict(density_floor=0.9, stage_density_floor=0.75)
 
 def _central(costs, sens, s, quality=None, rank_scale=None):
     from sparsebalance_megatron.policy.agreed_stats import straggler_present
-    return central_plan(costs, sens, s, None if quality is None else quality.bind(costs),
+    return central_plan(costs, sens, s, None if quality is None else bind_quality(quality, costs),
                         narrow=straggler_present(rank_scale, s.tolerance))
 
 
 def _descended(costs, sens, s, quality=None) -> np.ndarray:
     """The densities of the descent over every rank at once from the central band plan."""
-    q = None if quality is None else quality.bind(costs)
+    q = None if quality is None else bind_quality(quality, costs)
     return central_descent(central_plan(costs, sens, s, q), costs, s, q)
 
 
@@ -67,7 +68,7 @@ def test_dp1_keeps_the_central_band_plan_or_descends_from_it(objective):
             assert weighted_mean_density(d, w) >= D0 - 1e-9          # the descent's floors
             assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
             if q is not None:
-                assert q.bind(costs).plan_cost(d) <= 1e-12
+                assert bind_quality(q, costs).plan_cost(d) <= 1e-12
     assert descended >= 2, descended
 
 
@@ -104,7 +105,7 @@ def test_the_decomposed_plan_keeps_the_floors_and_is_close(objective):
         assert weighted_mean_density(d, w) >= 0.9 * D0 - 1e-9
         assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
         if q is not None:
-            assert q.bind(costs).plan_cost(d) <= 1e-12
+            assert bind_quality(q, costs).plan_cost(d) <= 1e-12
         ratios.append(t / step_time_of(costs, central))
     # the decomposed step is within 0.5% of the descent over all ranks at once (max 1.0018 on
     # these 20, two of them DP 1)
@@ -124,7 +125,7 @@ def test_the_other_ranks_raises_pay_a_critical_ranks_cuts():
     d, w = dec.densities, costs.attn_work
     assert step_time_of(costs, d) <= step_time_of(costs, central)
     assert step_time_of(costs, d) < dec.report.step_time_static_s * 0.93
-    assert weighted_mean_density(d, w) >= D0 - 1e-9 and q.bind(costs).plan_cost(d) <= 1e-12
+    assert weighted_mean_density(d, w) >= D0 - 1e-9 and bind_quality(q, costs).plan_cost(d) <= 1e-12
     assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
     critical = int(np.argmax([step_time_of(costs, np.full(costs.shape, D0), r)
                               for r in range(3)]))
@@ -240,7 +241,7 @@ def test_the_missed_row_at_128k():
     assert t <= t_want * 1.005, t / t_want
     assert weighted_mean_density(plan.densities, costs.attn_work,
                                  costs.dense_work) >= 0.5 - 1e-9
-    assert q.bind(costs).plan_cost(plan.densities) <= 1e-12
+    assert bind_quality(q, costs).plan_cost(plan.densities) <= 1e-12
 
 
 def test_the_reductions_do_not_grow_with_dp(monkeypatch):

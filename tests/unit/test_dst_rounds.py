@@ -9,6 +9,7 @@ from sparsebalance_megatron.policy import DSTSettings, plan_dst
 from sparsebalance_megatron.megatron.step.agreement import drive
 from sparsebalance_megatron.policy.dst_rounds import (plan_rounds_in_process, rank_rounds,
                                                       reduce_in_process)
+from sparsebalance_megatron.policy.quality_bound import bind_quality
 from tests.unit._bands import central_plan, rule_free, without_adoption
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
@@ -27,7 +28,7 @@ def test_one_rank_driven_alone_is_the_central_plan():
         s, q = rule_free(DSTSettings(D0, DMIN, DMAX, **FLOORS)), _quality(3)
         plan = drive(rank_rounds(costs, sens, s, quality=q),
                      lambda parts: reduce_in_process([parts]))
-        central = central_plan(costs, sens, s, quality=q.bind(costs))
+        central = central_plan(costs, sens, s, quality=bind_quality(q, costs))
         got = costs.densities[plan.grid_index]
         kept.append(plan.probe)
         if plan.probe < 0:
@@ -109,7 +110,7 @@ def test_the_quality_objective_without_the_descent_is_the_central_plan(flags):
                                 lm_head=float(rng.uniform(0.3, 3)))
         sens, q = rng.random((dp, m)), _quality(pp)
         s = rule_free(DSTSettings(D0, DMIN, DMAX, **dict(FLOORS, **flags)))
-        central = central_plan(costs, sens, s, quality=q.bind(costs))
+        central = central_plan(costs, sens, s, quality=bind_quality(q, costs))
         dec = plan_dst(costs, sens, s, quality=q)
         np.testing.assert_array_equal(dec.densities, central.densities)
         if dp == 1:
@@ -132,7 +133,7 @@ def test_a_slow_gpus_narrower_bands_are_guarded_by_the_agreed_quality_cost():
     narrow = straggler_present(_scale(), BAND.tolerance)
     for flags in (dict(descent=False), {}):
         s = rule_free(replace(BAND, **flags))
-        central = central_plan(costs, None, s, quality=q.bind(costs), narrow=narrow)
+        central = central_plan(costs, None, s, quality=bind_quality(q, costs), narrow=narrow)
         dec = plan_dst(costs, None, s, quality=q, rank_scale=_scale())
         np.testing.assert_array_equal(dec.densities, central.densities)
         assert dec.report.quality_cost == pytest.approx(central.report.quality_cost, rel=1e-9)

@@ -298,8 +298,8 @@ def fresh_imports() -> dict:
 
 
 def test_pure_list_covers_the_named_subpackages():
-    for name in ("attention", "latency", "sim", "policy", "batching", "data", "plan", "config",
-                 "arguments"):
+    for name in ("attention", "latency", "quality", "sim", "policy", "batching", "data", "plan",
+                 "config", "arguments"):
         assert f"sparsebalance_megatron.{name}" in PURE
 
 

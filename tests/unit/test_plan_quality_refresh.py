@@ -18,8 +18,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from studies import plan_quality as pq  # noqa: E402
 from studies import smollm2  # noqa: E402
 
-from sparsebalance_megatron.policy.quality import QualityCost  # noqa: E402
-from sparsebalance_megatron.policy.quality_refresh import (  # noqa: E402
+from sparsebalance_megatron.quality.cost import QualityCost  # noqa: E402
+from sparsebalance_megatron.quality.refresh import (  # noqa: E402
     group_of_layer, predicted_changes, probe_density, scaled)
 
 D0, LAYERS, STRIDE = 0.5, 30, 4

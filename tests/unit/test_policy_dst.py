@@ -9,6 +9,7 @@ import pytest
 
 from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, dst_inputs,
                                            plan_dst, weighted_mean_density)
+from sparsebalance_megatron.policy.quality_bound import bind_quality
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
 from tests.unit._bands import band_plan, band_plans
 from tests.unit._costs import affine_costs
@@ -361,7 +362,7 @@ def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
             costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
                               pipeline_ranks=ranks)
         sens = np.random.default_rng(case).random((dp, m))
-        q = _quality(ranks * vp).bind(costs)
+        q = bind_quality(_quality(ranks * vp), costs)
         mine = [("mean", 0.1), ("mean", 0.4), ("mean", 0.0)]
         theirs = [("max", 0.1), ("mean", 0.1), ("mean", 1.5)]
         settings = DSTSettings(D0, DMIN, DMAX, p2p_s=1e-3 * case, raise_headroom=0.05)
@@ -376,8 +377,8 @@ def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
 
 def _quality(pp):
     """A convex, measured-looking quality cost (deeper layers a little more sensitive)."""
-    from sparsebalance_megatron.policy.quality import QualityCost
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.cost import QualityCost
+    from sparsebalance_megatron.quality.stages import StageQuality
     groups = [{"depth": [g / 2, (g + 1) / 2], "layers": [15 * g + 1, 15 * g + 15],
                "knots": [0.125, 0.25, 0.375, 0.5, 0.75, 1.0],
                "cost": [c * 0.085, c * 0.032, c * 0.014, 0.0, -c * 0.025, -c * 0.035]}

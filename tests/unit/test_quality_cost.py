@@ -1,4 +1,4 @@
-"""The quality model (policy.quality, policy.quality_stages): its fitted convex curves per
+"""The quality model (quality.cost, quality.stages): its fitted convex curves per
 layer group with a length term, an interaction and bootstrap replicates, validation that names the field, the mapping onto
 pipeline stages and a step's units, and the one rule every plan check goes through."""
 
@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy.quality import QualityCost, QualityCostError, curve
+from sparsebalance_megatron.policy.quality_bound import bind_quality
+from sparsebalance_megatron.quality.cost import QualityCost, QualityCostError, curve
 
 
 def doc(**over):
@@ -100,11 +101,11 @@ def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
     # DST's checks hold grid indices: a plan on its grid is costed from a table, the
     # interpolation's sum to float rounding (below the data, inside it, flat above), on any grid
     from sparsebalance_megatron.policy.costs import density_grid
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.stages import StageQuality
 
     q = StageQuality.from_cost(QualityCost.from_dict(doc()), [3, 5, 4], 0.25)
     rng = np.random.default_rng(2)
-    b = q.bind(_costs((4, 6, 3)))
+    b = bind_quality(q, _costs((4, 6, 3)))
     for grid in (density_grid(0.25, 0.0625, 1.0), density_grid(0.25, 0.125, 0.5)):
         for _ in range(20):
             i = rng.integers(0, grid.size, (4, 6, 3))
@@ -153,7 +154,7 @@ def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
     """A document's change is rho(n) S + gamma rho^2 S (S + 2 S0) against uniform d0; a unit's is
     its documents' token-weighted sum (routed documents change nothing); every check (the
     documents', the units' sums, the plan cost) is that one rule."""
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.stages import StageQuality
 
     cost = v2(-0.5, 2.0, replicates=(0.8, 1.0, 1.2))
     q = StageQuality.from_cost(cost, [15, 15], 0.5)
@@ -175,7 +176,7 @@ def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
     # two units: one of documents 1000 + 3000 (and a routed one of 500), one of 2000 + 2000
     docs = (np.array([0, 3, 5]), np.array([1000, 3000, 500, 2000, 2000]),
             np.array([4500.0, 4000.0]), np.array([True, True, False, True, True]))
-    b = q.bind(_costs((1, 2, 2), docs))
+    b = bind_quality(q, _costs((1, 2, 2), docs))
     assert b.tokens == 8500.0
     plan = np.array([[[0.25, 0.5], [0.5, 0.25]]])                 # [1, 2, 2]
     per_doc = np.concatenate([q.doc_change(np.repeat(plan[0, u:u + 1], k, 0), n)
@@ -188,7 +189,7 @@ def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
     reps = b.replicate_sums_at(np.array([[[0, 1], [1, 0]]]), grid)
     assert reps.shape == (3,) and reps[0] < reps[1] < reps[2]
     assert float(b.uncertainty(reps, b.tokens)) == pytest.approx(reps.std(ddof=1) / 8500.0)
-    assert float(q.bind(_costs((1, 2, 2))).uncertainty(np.zeros(0), 1.0)) == 0.0
+    assert float(bind_quality(q, _costs((1, 2, 2))).uncertainty(np.zeros(0), 1.0)) == 0.0
 
 
 def test_every_model_summed_in_one_gather_is_each_models_rule_bit_for_bit():
@@ -199,7 +200,7 @@ def test_every_model_summed_in_one_gather_is_each_models_rule_bit_for_bit():
     one."""
     from dataclasses import replace
 
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.stages import StageQuality
 
     cost = v2(-0.5, 2.0, replicates=(0.8, 1.0, 1.2))
     reps = list(cost.bootstrap)
@@ -208,7 +209,7 @@ def test_every_model_summed_in_one_gather_is_each_models_rule_bit_for_bit():
     docs = (np.array([0, 3, 5, 6, 8]), np.array([1000, 3000, 500, 2000, 2000, 700, 900, 4000]),
             np.array([4500.0, 4000.0, 700.0, 4900.0]),
             np.array([True, True, False, True, True, True, True, True]))
-    b = q.bind(_costs((2, 2, 2), docs))
+    b = bind_quality(q, _costs((2, 2, 2), docs))
     grid = np.array([0.25, 0.5, 1.0])
     idx = np.random.default_rng(0).integers(0, 3, (5, 2, 2, 2))        # 5 plans [dp, m, nv]
     got_reps = b.replicate_sums_at(idx, grid)                           # [5, B]
@@ -228,7 +229,7 @@ def test_stage_quality_is_made_once_per_cost_layers_and_d0():
     other layers or another d0 give another; a cost object freed and another loaded is never
     taken for it."""
     from sparsebalance_megatron.policy.costs import density_grid
-    from sparsebalance_megatron.policy.quality_stages import StageQuality
+    from sparsebalance_megatron.quality.stages import StageQuality
 
     cost = QualityCost.from_dict(doc())
     q = StageQuality.from_cost(cost, [3, 5, 4], 0.25)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.eval import quality_fit as qf
-from sparsebalance_megatron.policy.quality_stages import StageQuality
+from sparsebalance_megatron.quality.stages import StageQuality
 
 
 def test_nnls_is_the_best_non_negative_solution():

@@ -1,5 +1,5 @@
 """The quality model refreshed from measurements of the model being trained
-(``policy.quality_refresh``): a scale is recovered from changes the scaled model itself
+(``quality.refresh``): a scale is recovered from changes the scaled model itself
 predicts, clamped and shrunk by noise, bad measurements are refused before any work, and DST
 plans by the refreshed model (a group made dearer is cut less)."""
 
@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, plan_dst
-from sparsebalance_megatron.policy.quality import (QualityCost, QualityCostError,
+from sparsebalance_megatron.policy.quality_bound import bind_quality
+from sparsebalance_megatron.quality.cost import (QualityCost, QualityCostError,
                                                    load_quality_cost)
-from sparsebalance_megatron.policy.quality_refresh import (
+from sparsebalance_megatron.quality.refresh import (
     MAX_SCALE, group_of_layer, predicted_changes, refresh_scales, scaled,
     scaled_quality_cost, probe_density)
-from sparsebalance_megatron.policy.quality_stages import StageQuality
+from sparsebalance_megatron.quality.stages import StageQuality
 
 from test_policy_dst import D0, DMAX, DMIN, synthetic_costs
 from test_quality_cost import v2
@@ -145,5 +146,5 @@ def test_a_group_made_dearer_is_cut_less():
         cut_after += float(np.maximum(D0 - p_new.densities[..., 1], 0).sum())
         cut = np.full((2, 4, 2), D0)
         cut[..., 1] = 0.375
-        assert new.bind(costs).plan_cost(cut) > old.bind(costs).plan_cost(cut) > 0
+        assert bind_quality(new, costs).plan_cost(cut) > bind_quality(old, costs).plan_cost(cut) > 0
     assert cut_before > 0 and cut_after < cut_before

@@ -102,7 +102,7 @@ def _reads_quality_cost(sb: SparseBalanceConfig) -> bool:
 
 
 def _quality_cost_problems(sb: SparseBalanceConfig) -> list[str]:
-    from ...policy.quality import QualityCostError, load_quality_cost
+    from ...quality.cost import QualityCostError, load_quality_cost
 
     try:
         load_quality_cost(sb.quality_cost)

@@ -5,12 +5,12 @@ step's draft, every rank runs forward-only passes of a fixed held-out micro-batc
 through Megatron's own schedule (``get_forward_backward_func()`` with ``forward_only=True``,
 models in evaluation mode, no gradient, Megatron's timers and result validation off: as its
 ``evaluate()`` runs them): once at uniform d0 and once per depth group of the quality model
-with that group's layers at ``quality_refresh.probe_density(d0)`` (the attention reads them as
+with that group's layers at ``quality.refresh.probe_density(d0)`` (the attention reads them as
 the budget context's per-layer densities: the micro-batch is outside any plan). The last
 pipeline stage sums each document's loss per pass; the sums travel to the other stages (a
 broadcast over the pipeline group) and over the DP group (an all-reduce), so every rank holds
 the same per-group loss change and its standard error over the documents, and computes the
-same scales (``policy.quality_refresh.refresh_scales``, relative to the launch-time model, the
+same scales (``quality.refresh.refresh_scales``, relative to the launch-time model, the
 product of every refresh's). The drafts made after it plan with them (``Drafter``'s
 ``quality_scales``, sent to the planner process with each request).
 
@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ...policy.quality_refresh import MAX_SCALE
+from ...quality.refresh import MAX_SCALE
 from ..runtime import comm
 
 HEAD = 4                  # tokens, documents, sum of tokens^2, loss sum at d0
@@ -48,8 +48,8 @@ class QualityProbe:
 
     def __init__(self, sb, args, *, model: list, forward_step: Callable, budget, exchange,
                  held_out: dict, lengths: np.ndarray, pp_rank: int):
-        from ...policy.quality import load_quality_cost
-        from ...policy.quality_refresh import group_of_layer
+        from ...quality.cost import load_quality_cost
+        from ...quality.refresh import group_of_layer
 
         self.sb, self.args, self.model, self.forward_step = sb, args, model, forward_step
         self.budget, self.exchange, self.held_out = budget, exchange, held_out
@@ -67,8 +67,8 @@ class QualityProbe:
 
     def refresh(self, iteration: int) -> dict:
         """Measure, agree, rescale (collective); the metrics' fields of this refresh."""
-        from ...policy.quality import QualityCostError
-        from ...policy.quality_refresh import probe_density, refresh_scales, scaled
+        from ...quality.cost import QualityCostError
+        from ...quality.refresh import probe_density, refresh_scales, scaled
 
         t0 = time.perf_counter()
         d0, g = self.sb.density, len(self.base.groups)

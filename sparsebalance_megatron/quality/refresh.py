@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .quality import GroupCost, QualityCost, QualityCostError, Replicate, load_quality_cost
+from .cost import GroupCost, QualityCost, QualityCostError, Replicate, load_quality_cost
+from .stages import StageQuality
 
 MAX_SCALE = 4.0         # a refresh moves a group's curve by at most this factor either way
 ITERATIONS = 20         # fixed-point steps of the ratio where the interaction term is not 0
@@ -54,8 +55,6 @@ def predicted_changes(cost: QualityCost, d0: float, tested: Sequence[float],
     """[G] the model's per-token loss change when group g alone runs at ``tested[g]`` and the
     others at ``d0``, token-weighted over documents of ``lengths`` and ``tokens`` (None: one
     document of the model's reference length)."""
-    from .quality_stages import StageQuality
-
     g = len(cost.groups)
     n, t = _documents(cost, lengths, tokens)            # refused before any work
     widths = [grp.depth[1] - grp.depth[0] for grp in cost.groups]

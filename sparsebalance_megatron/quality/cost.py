@@ -20,7 +20,7 @@ spread of the same change under the fit's bootstrap replicates (``bootstrap``).
 
 Groups are depth ranges as fractions of the model ([0, 1/3), ...), so a model measured on one
 network maps onto another's pipeline (virtual) stages by the share of each group's layers a stage
-holds (``stage_weights``; the planner's side is ``quality_stages``).
+holds (``stage_weights``; on the stages: ``stages``).
 
 The file (JSON, ``version`` 2) holds the fields ``QualityCost.as_dict`` writes; ``from_dict``
 checks them: the groups tile the depth [0, 1], and every curve (the fit's and each bootstrap
