@@ -71,10 +71,11 @@ class StageQuality:
                 np.array([float(self.reference(r).sum()) for r in reps]))
 
     def operands(self, models: slice, ndim: int, g: int) -> tuple:
-        """The planner's gather (``policy.quality_bound``) of ``models`` (a slice of the fit 0 and replicate r r + 1)
-        for plans of ``ndim`` dimensions on a grid of ``g`` densities (made once): the models'
-        offsets in the flat ``grid_tables`` [R, 1, ..., 1, 1, nv] and their constants
-        (``rule``; [R, 1, ..., 1, 1], gamma 0.0 where no model has an interaction)."""
+        """The planner's gather (``policy.quality_bound``) of ``models`` (a slice of the fit 0
+        and replicate r r + 1) for plans of ``ndim`` dimensions on a grid of ``g`` densities
+        (made once): the models' offsets in the flat ``grid_tables`` [R, 1, ..., 1, 1, nv] and
+        their constants (``rule``; [R, 1, ..., 1, 1], gamma 0.0 where no model has an
+        interaction)."""
         key = (models.start, models.stop, ndim, g)
         cache = self.__dict__.setdefault("_operands", {})       # frozen: not a field
         got = cache.get(key)

@@ -87,7 +87,8 @@ def _import_draft_modules() -> None:
     """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
     instead of during the first draft, and the compiled kernels made ready."""
     from ...batching import packing  # noqa: F401
-    from ...policy import critical_path, dst_rounds, quality  # noqa: F401
+    from ...policy import critical_path, dst_rounds  # noqa: F401
+    from ...quality import refresh  # noqa: F401
     from . import choice  # noqa: F401
 
     warm_up_kernels()
