@@ -18,7 +18,7 @@ from . import i64, jit, slack
 from .graph import earliest_finish, makespan, simulate, unit_floats
 from .grid import fit_limit, highest_within, seconds, source, total
 from .slack import SCALE
-from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
+from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables, unit_offsets
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
 RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
@@ -280,7 +280,7 @@ class Round:
         self.graph, self.tables = graph, tables
         self.shape, self.i_min, self.i_max = shape, int(i_min), int(i_max)
         # every unit's offset in the flat tables [dp, m, nv], and its seconds at i_min (flat)
-        self.base = np.arange(int(np.prod(shape))).reshape(shape) * tables.g
+        self.base = unit_offsets(shape, tables.g)
         self.t_min = tables.tot.take(self.base.reshape(-1) + self.i_min)
         # no look-up and no pick known (the kernels read ``_was``, never write it: shared)
         self._none = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64),

@@ -67,6 +67,12 @@ class Tables(NamedTuple):
                    bool(scaled))
 
 
+def unit_offsets(shape, g: int) -> np.ndarray:
+    """Every unit's offset in flat tables [units x g] (``Tables``) laid out as ``shape``
+    (flat unit id x g): add a grid index to read a unit's seconds there."""
+    return np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) * int(g)
+
+
 FILL_GRID = 4096
 """water-filling's bisection on log lambda in [-20, 20] visits -20 + 40 k / FILL_GRID only"""
 FILL_EXPS = np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID)

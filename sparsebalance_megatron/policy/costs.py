@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
+from ..kernels.records import unit_offsets
 from ..latency.features import unit_rows
 from ..sim.pipeline import pipeline_ranks
 
@@ -224,7 +225,7 @@ class UnitCosts:
         if i.shape != self.shape or i.dtype.kind not in "iu" or not 0 <= i.min() <= i.max() < g:
             raise IndexError(f"grid indices of shape {i.shape}: expected {self.shape} integers "
                              f"in [0, {g})")
-        at = np.arange(0, i.size * g, g).reshape(i.shape) + i
+        at = unit_offsets(i.shape, g) + i
         return self.fwd_s.reshape(-1).take(at), self.bwd_s.reshape(-1).take(at)
 
     @classmethod

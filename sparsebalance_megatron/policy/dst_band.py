@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
-from ..kernels.records import Fill, Tables
+from ..kernels.records import Fill, Tables, unit_offsets
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts
 from .density_means import WeightTotals, weighted_mean_density
@@ -100,8 +100,7 @@ def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float) 
     sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
     ib = tuple(costs.index_of(d) for d in bounds)
     _, i_min, i_max = ib
-    # every unit's offset in the flat tables [dp, slots, pp] (flat unit id x g)
-    rank_units = np.arange(dp * slots * pp).reshape(dp, slots, pp) * t_grid.shape[-1]
+    rank_units = unit_offsets((dp, slots, pp), t_grid.shape[-1])    # [dp, slots, pp]
     fill = ()
     if water.any():
         # the water-filling's gain tables and the units' seconds per unit of density
