@@ -75,7 +75,10 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     for flag in ("--tokenizer-type", "--split", "--seed"):
         parser.add_argument(flag)
     parser.add_argument("--vocab-size", type=int)
-    parser.add_argument("--data-path", nargs="*")
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        parser.add_argument(flag, nargs="*")
+    for flag in ("--data-args-path", "--per-split-data-args-path"):
+        parser.add_argument(flag)
     try:
         # The plugin's flags first of all (this runs before Megatron parses anything): one line
         # naming the flag and value, before Megatron's tokenizer or data would trip over it.
@@ -96,8 +99,10 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     from .step.data import load_data
 
     try:
-        data = load_data(argparse.Namespace(data_path=ns.data_path, tokenizer_type=None,
-                                             split=ns.split), sb)
+        data = load_data(argparse.Namespace(tokenizer_type=None, **{
+            k: getattr(ns, k) for k in ("data_path", "split", "data_args_path", "train_data_path",
+                                        "valid_data_path", "test_data_path",
+                                        "per_split_data_args_path")}), sb)
     except (ValueError, OSError) as e:
         # Megatron's parse would fail next on NullTokenizer without a vocabulary size, hiding
         # the cause: say it here.

@@ -27,16 +27,19 @@ SB = ["--sparse-balance", "--sb-density", "0.5", "--sb-min-density", "0.25",
 
 
 def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_table_pp2):
-    common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2", "--data-path",
-              small_jsonl, "--global-batch-size", "4", "--train-iters", "5",
+    common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
+              "--global-batch-size", "4", "--train-iters", "5",
               "--sb-latency-table", analytic_latency_table_pp2, "--sb-latency-table-force"]
-    refresh = [*common, "--sb-quality-refresh-interval", "2"]
+    # the refreshed run's held-out documents are a data set of their own (Megatron's per-split
+    # paths), so it trains on the documents of the run without a valid split
+    refresh = [*common, "--train-data-path", small_jsonl, "--valid-data-path", small_jsonl,
+               "--sb-quality-refresh-interval", "2"]
     proc = run_entry(2, [*refresh, "--sb-metrics-file", tmp_path / "refresh.jsonl",
                          "--save", tmp_path / "ckpt", "--save-interval", "3"], cwd=tmp_path)
     # the run without refresh plans on a thread (the same plans as the planner process): it is
     # what the refreshed run, whose scales reach its planner process, is compared with
-    run_entry(2, [*common, *PLANNER_THREAD, "--sb-metrics-file", tmp_path / "plain.jsonl"],
-              cwd=tmp_path)
+    run_entry(2, [*common, "--data-path", small_jsonl, "--split", "100,0,0", *PLANNER_THREAD,
+                  "--sb-metrics-file", tmp_path / "plain.jsonl"], cwd=tmp_path)
     rows, plain = read_metrics(tmp_path / "refresh.jsonl"), read_metrics(tmp_path / "plain.jsonl")
     lines = [x for x in proc.stdout.splitlines() if "quality refresh at iteration" in x]
     assert [int(re.search(r"iteration (\d+):", x).group(1)) for x in lines] == [2, 4], lines
@@ -54,7 +57,8 @@ def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_ta
                for c in r["quality_refresh_change"])
     assert rows[-2]["quality_scales"] != [1.0, 1.0, 1.0]
     # the passes change no parameter, no RNG: a step planned as in the plain run trains as it
-    # did; steps 1-3 were drafted before the first refresh's scales reached the planner
+    # did, on the same documents; steps 1-3 were drafted before the first refresh's scales
+    # reached the planner
     same = [r["step"] for r, p in zip(rows, plain) if r["densities"] == p["densities"]]
     assert {1, 2, 3} <= set(same)
     for r, p in zip(rows, plain):

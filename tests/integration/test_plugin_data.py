@@ -32,9 +32,9 @@ def two_sets(tmp_path_factory):
     return _jsonl(d / "a.jsonl", texts[:40]), _jsonl(d / "b.jsonl", texts[40:]), d
 
 
-def _args(data_path, split="1,0,0", tokenizer_type=None):
+def _args(data_path, split="1,0,0", tokenizer_type=None, **per_split):
     return argparse.Namespace(data_path=data_path, split=split, tokenizer_type=tokenizer_type,
-                              tokenizer_model=None, vocab_file=None)
+                              tokenizer_model=None, vocab_file=None, **per_split)
 
 
 def _sb(tmp):
@@ -84,6 +84,66 @@ def test_split_divides_every_data_set(two_sets):
         ids = np.concatenate(parts)
         assert sorted(ids.tolist()) == data.corpus.part_doc_ids(k).tolist()   # each doc once
         assert [p.size for p in parts] == [32, 4, 4]
+
+
+def _train_docs(data, n_bins=60):
+    sampler = data.sampler("train", capacity=256, seed=3, long_sample_policy="split")
+    return [(data.corpus.tokens(d)[s:e].tolist()) for d, s, e in sampler.next_bins(n_bins)]
+
+
+def test_each_split_its_own_data_sets(two_sets, tmp_path):
+    """--train-data-path A --valid-data-path B: A wholly trains, B wholly validates, and the
+    training documents come in the order --data-path A --split 1,0,0 gives them (a run that adds
+    a valid set trains on the same batches); --per-split-data-args-path says the same."""
+    a, b, tmp = two_sets
+    whole = load_data(_args([a]), _sb(tmp))
+    data = load_data(_args(None, split=None, train_data_path=[a], valid_data_path=[b]), _sb(tmp))
+    parts = data.corpus.parts
+    assert [s.size for s in data.splits["train"]] == [len(parts[0]), 0]
+    assert [s.size for s in data.splits["valid"]] == [0, len(parts[1])]
+    assert data.sampler("test", capacity=256, seed=3, long_sample_policy="split") is None
+    assert _train_docs(data) == _train_docs(whole)
+    valid = data.sampler("valid", capacity=256, seed=3, long_sample_policy="split")
+    assert {data.corpus.part_of(d)[0] for d, _, _ in valid.next_bins(20)} == {1}
+    spec = tmp_path / "splits.json"
+    spec.write_text(json.dumps({"train": [a], "valid": b, "test": []}))
+    again = load_data(_args(None, split=None, per_split_data_args_path=str(spec)), _sb(tmp))
+    assert _train_docs(again) == _train_docs(data)
+
+
+def test_a_splits_blend_weighs_its_own_data_sets(two_sets):
+    a, b, tmp = two_sets
+    data = load_data(_args(None, split=None, train_data_path=["0.2", a, "0.8", b],
+                           valid_data_path=[a]), _sb(tmp))
+    assert data.weights == [0.2, 0.8, None]
+    assert np.allclose(_token_share(data)[:2], [0.2, 0.8], atol=0.03)
+    assert data.sampler("valid", capacity=256, seed=3, long_sample_policy="split") is not None
+
+
+def test_data_args_path_is_data_path_in_a_file(two_sets, tmp_path):
+    a, b, tmp = two_sets
+    listed = tmp_path / "data_args.txt"
+    listed.write_text(f"0.2 {a}\n0.8 {b}\n")
+    data = load_data(_args(None, data_args_path=str(listed)), _sb(tmp))
+    assert data.weights == [0.2, 0.8]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{not json", "JSONDecodeError"), ('{"train": ["x"]}', "KeyError"),
+    ('{"train": ["0.5"], "valid": [], "test": []}', "'train' = 0.5: '0.5' looks like a blend weight"),
+])
+def test_bad_per_split_file_is_named(tmp_path, text, needle):
+    spec = tmp_path / "splits.json"
+    spec.write_text(text)
+    with pytest.raises(LaunchError, match=f"--per-split-data-args-path {spec}") as e:
+        load_data(_args(None, split=None, per_split_data_args_path=str(spec)), _sb(tmp_path))
+    assert needle in str(e.value)
+
+
+def test_no_training_data_of_its_own_is_refused(two_sets):
+    a, _, tmp = two_sets
+    with pytest.raises(ValueError, match="--train-data-path: no document left for training"):
+        load_data(_args(None, split=None, valid_data_path=[a]), _sb(tmp))
 
 
 def test_builtin_corpus_refuses_a_megatron_tokenizer(tmp_path):

@@ -57,6 +57,8 @@ def test_a_good_launch_passes():
     check_launch(launch_args(pipeline_model_parallel_size=2,            # interleaved schedule
                              num_layers_per_virtual_pipeline_stage=1), FULL, plugin_data=True)
     check_launch(launch_args(seq_length=64), SPARSE, plugin_data=True)  # exactly one block
+    check_launch(launch_args(train_data_path=["a"], valid_data_path=["b"]), SPARSE,
+                 plugin_data=True)                              # each split its own data
     check_launch(launch_args(seq_length=16), SparseBalanceConfig(), plugin_data=True)  # dense
     check_launch(launch_args(), SparseBalanceConfig(batching=True, dense_kernel="sdpa"),
                  plugin_data=True)                              # dense + SAB, local spec
@@ -102,7 +104,10 @@ def test_a_good_launch_passes():
     _case(dict(micro_batch_size=2), SPARSE, True, "--micro-batch-size 2"),
     _case(dict(seq_length=16), SPARSE, True, "--seq-length 16 is smaller than --sb-block-size 64"),
     _case(dict(mock_data=True), SPARSE, True, "--mock-data"),
-    _case(dict(train_data_path=["a"]), SPARSE, True, "--train-data-path"),
+    _case(dict(train_data_path=["a"], split="99,1,0"), SPARSE, True, "--split 99,1,0 with --train-data-path: each split has its own data sets"),
+    _case(dict(data_path=["a"], valid_data_path=["b"]), SPARSE, True, "--data-path with --valid-data-path: one data source"),
+    _case(dict(data_path=["a"], data_args_path="f"), SPARSE, True, "--data-path with --data-args-path: give the data one way"),
+    _case(dict(train_data_path=["a"], per_split_data_args_path="f"), SPARSE, True, "--train-data-path with --per-split-data-args-path: give the data one way"),
     _case(dict(iterations_to_skip=[3]), SPARSE, True, "--iterations-to-skip"),
     _case(dict(num_experts=8), SPARSE, False, "--num-experts 8"),
     _case(dict(spec=["my", "spec"]), SPARSE, False, "--spec"),

@@ -54,13 +54,23 @@ def data_conflicts(args) -> list[str]:
     if getattr(args, "mock_data", False):
         out.append("--mock-data (the plugin's data path packs real documents; give --data-path "
                    "or nothing for the built-in corpus)")
-    for flag, dest in (("--train-data-path", "train_data_path"),
-                       ("--valid-data-path", "valid_data_path"),
-                       ("--test-data-path", "test_data_path"),
-                       ("--data-args-path", "data_args_path"),
-                       ("--per-split-data-args-path", "per_split_data_args_path")):
-        if getattr(args, dest, None) is not None:
-            out.append(f"{flag} (use --data-path with --split)")
+    per_split = [f for f, dest in (("--train-data-path", "train_data_path"),
+                                   ("--valid-data-path", "valid_data_path"),
+                                   ("--test-data-path", "test_data_path"),
+                                   ("--per-split-data-args-path", "per_split_data_args_path"))
+                 if getattr(args, dest, None) is not None]
+    whole = [f for f, dest in (("--data-path", "data_path"), ("--data-args-path", "data_args_path"))
+             if getattr(args, dest, None) is not None]
+    for named in (whole, per_split):        # a list and the file that would hold it
+        if len(named) > 1 and named[-1].endswith("-args-path"):
+            out.append(f"{named[0]} with {named[-1]}: give the data one way (Megatron reads "
+                       f"one of them)")
+    if whole and per_split:
+        out.append(f"{whole[0]} with {per_split[0]}: one data source, the whole data set split by "
+                   f"--split or each split's own (Megatron's rule)")
+    elif per_split and getattr(args, "split", None) is not None:
+        out.append(f"--split {args.split} with {per_split[0]}: each split has its own data sets, "
+                   f"whole (Megatron's per-split data takes no --split)")
     if getattr(args, "sft", False):
         out.append("--sft")
     if getattr(args, "fim_data", False):

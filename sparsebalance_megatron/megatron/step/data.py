@@ -7,7 +7,10 @@ the iterators built here and Megatron wraps each in its ``RerunDataIterator``.
   semantics: ``--data-path`` is one path, several paths (weights inferred from their sizes) or
   ``W1 P1 W2 P2 ...`` (a weighted blend); each path a ``.jsonl`` file or an indexed prefix; no
   ``--data-path``: the built-in real-text corpus. ``--split`` divides every data set's documents
-  (after a seeded shuffle) into train/valid/test. Text is tokenized by Megatron's
+  (after a seeded shuffle) into train/valid/test. ``--data-args-path`` lists ``--data-path``'s
+  words in a file; ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` (or
+  ``--per-split-data-args-path``) give each split its own data sets, whole, without ``--split``.
+  Text is tokenized by Megatron's
   ``--tokenizer-type``; ``NullTokenizer`` (Megatron's "no text tokenizer") means the plugin's
   ``--sb-tokenizer`` stands for it (text and EOD id). The built-in corpus is always tokenized by
   ``--sb-tokenizer`` into a compact vocabulary.
@@ -23,6 +26,7 @@ parallel (CP) ranks of a DP rank build the same micro-batches and keep their sha
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -59,8 +63,9 @@ class PluginData:
         if not sources:
             return None
         weights = None
-        if self.weights is not None:
+        if self.weights is not None:     # None within: that split's blend had no weights
             weights = [w for w, s in zip(self.weights, self.splits[split]) if s.size]
+            weights = None if None in weights else weights
         return GlobalBatchSampler(self.corpus.lengths, capacity=capacity, dp=dp,
                                   num_microbatches=num_microbatches, seed=seed,
                                   long_sample_policy=long_sample_policy, sources=sources,
@@ -82,26 +87,66 @@ def megatron_text_tokenizer(args) -> Optional[TextTokenizer]:
         _decode=lambda ids: tok.detokenize(list(ids)))
 
 
-def data_blend(data_path: Optional[Sequence[str]]) -> tuple[Optional[list], Optional[list]]:
-    """(paths, weights) of ``--data-path`` with Megatron's rules; (None, None) without one."""
+def data_blend(data_path: Optional[Sequence[str]], flag: str = "--data-path"
+               ) -> tuple[Optional[list], Optional[list]]:
+    """(paths, weights) of ``--data-path`` (or the data-path ``flag``, e.g. one split's) with
+    Megatron's rules; (None, None) without one."""
     if not data_path:
         return None, None
     from megatron.core.datasets.utils import get_blend_from_list
 
+    given = f"{flag} {' '.join(data_path)}"
     try:
         paths, weights = get_blend_from_list(list(data_path))
     except (AssertionError, ValueError):
-        raise LaunchError(f"--data-path {' '.join(data_path)}: expected one or more paths, or "
-                          f"weight/path pairs (W1 P1 W2 P2 ...), not a mix of both") from None
+        raise LaunchError(f"{given}: expected one or more paths, or weight/path pairs "
+                          f"(W1 P1 W2 P2 ...), not a mix of both") from None
     if weights is not None and not all(np.isfinite(w) and w > 0 for w in weights):
-        raise LaunchError(f"--data-path {' '.join(data_path)}: blend weights {weights} must be "
-                          f"numbers > 0")
+        raise LaunchError(f"{given}: blend weights {weights} must be numbers > 0")
     numbers = [p for p in paths if _is_number(p) and not os.path.exists(p)]
     if weights is None and numbers:
-        raise LaunchError(f"--data-path {' '.join(data_path)}: {numbers[0]!r} looks like a blend "
-                          f"weight, not a path; expected paths, or weight/path pairs "
-                          f"(W1 P1 W2 P2 ...)")
+        raise LaunchError(f"{given}: {numbers[0]!r} looks like a blend weight, not a path; "
+                          f"expected paths, or weight/path pairs (W1 P1 W2 P2 ...)")
     return paths, weights
+
+
+def split_blends(args) -> Optional[dict]:
+    """Megatron's data sets per split, as its ``get_blend_and_blend_per_split`` reads them:
+    ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` (each a list or a blend,
+    as ``--data-path``) or ``--per-split-data-args-path`` (a JSON file with ``train``, ``valid``
+    and ``test``, each such a list or one string of them): {split: (paths, weights)}, (None,
+    None) for a split without data; None where no split has its own."""
+    file = getattr(args, "per_split_data_args_path", None)
+    if file is not None:
+        try:
+            with open(file) as f:
+                given = json.load(f)
+            lists = {s: given[s].split() if isinstance(given[s], str) else given[s]
+                     for s in SPLITS}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LaunchError(f"--per-split-data-args-path {file}: expected a JSON file with "
+                              f"'train', 'valid' and 'test', each a list of paths or of weight/"
+                              f"path pairs ({type(e).__name__}: {e})") from None
+        return {s: data_blend(lists[s], f"--per-split-data-args-path {file}: {s!r} =")
+                for s in SPLITS}
+    lists = {s: getattr(args, f"{s}_data_path", None) for s in SPLITS}
+    if not any(v is not None for v in lists.values()):
+        return None
+    return {s: data_blend(lists[s], f"--{s}-data-path") for s in SPLITS}
+
+
+def whole_blend(args) -> tuple[Optional[list], Optional[list]]:
+    """(paths, weights) of ``--data-path``, or of the file ``--data-args-path`` names (its
+    whitespace-separated list, as Megatron reads it)."""
+    file = getattr(args, "data_args_path", None)
+    if file is None:
+        return data_blend(getattr(args, "data_path", None))
+    try:
+        with open(file) as f:
+            listed = f.read().split()
+    except OSError as e:
+        raise LaunchError(f"--data-args-path {file}: cannot be read ({e.strerror})") from None
+    return data_blend(listed, f"--data-args-path {file} =")
 
 
 def _is_number(text: str) -> bool:
@@ -135,7 +180,9 @@ def split_documents(doc_ids: np.ndarray, ratios: np.ndarray, seed: int) -> list[
 def load_data(args, sb: SparseBalanceConfig, *, text_tokenizer: Optional[TextTokenizer] = None
               ) -> PluginData:
     """The run's documents and splits (see the module docstring for the rules)."""
-    paths, weights = data_blend(args.data_path)
+    per_split = split_blends(args)
+    paths, weights = whole_blend(args) if per_split is None else (
+        [p for s in SPLITS for p in per_split[s][0] or []], None)
     tok = text_tokenizer if text_tokenizer is not None else sb.tokenizer
     if paths is None:
         if args.tokenizer_type not in (None, "NullTokenizer"):
@@ -148,14 +195,25 @@ def load_data(args, sb: SparseBalanceConfig, *, text_tokenizer: Optional[TextTok
     else:
         parts = [load_corpus(p, tokenizer=tok, cache_dir=sb.data_cache_dir) for p in paths]
     corpus = parts[0] if len(parts) == 1 else ConcatCorpus(parts)
-    ratios = split_ratios(getattr(args, "split", None))
     per_source = [np.arange(len(parts[0]), dtype=np.int64)] if len(parts) == 1 else \
         [corpus.part_doc_ids(k) for k in range(len(parts))]
-    cut = [split_documents(ids, ratios, sb.seed) for ids in per_source]
-    splits = {name: [c[i] for c in cut] for i, name in enumerate(SPLITS)}
+    if per_split is None:
+        ratios = split_ratios(getattr(args, "split", None))
+        cut = [split_documents(ids, ratios, sb.seed) for ids in per_source]
+        splits = {name: [c[i] for c in cut] for i, name in enumerate(SPLITS)}
+        what = f"--split {args.split or DEFAULT_SPLIT}"
+    else:   # each data set wholly in its split; a split's blend weights its own sources
+        owner = [s for s in SPLITS for _ in per_split[s][0] or []]
+        none = np.zeros(0, dtype=np.int64)
+        splits = {s: [ids if o == s else none for ids, o in zip(per_source, owner)]
+                  for s in SPLITS}
+        given = [per_split[s][1] or [None] * len(per_split[s][0] or []) for s in SPLITS]
+        weights = [w for ws in given for w in ws]
+        weights = None if all(w is None for w in weights) else weights
+        what = "--train-data-path"
     if not any(s.size for s in splits["train"]):
-        raise DataError(f"--split {args.split or DEFAULT_SPLIT}: no document left for training "
-                        f"({len(corpus)} documents in all)")
+        raise DataError(f"{what}: no document left for training ({len(corpus)} documents in "
+                        f"all)")
     name = tok.name if isinstance(tok, TextTokenizer) else f"plugin:{tok}"
     return PluginData(corpus=corpus, splits=splits, weights=weights, tokenizer=name)
 
@@ -288,7 +346,8 @@ def held_out_microbatch(data, sb, *, capacity: int, dp: int, dp_rank: int, devic
     if sampler is None:
         raise LaunchError(f"{flag_name('quality_refresh_interval')} "
                           f"{sb.quality_refresh_interval}: the valid split holds no documents "
-                          f"to measure the network on (give --split a valid share)")
+                          f"to measure the network on (give --split a valid share, or "
+                          f"--valid-data-path)")
     it = EvalIterator(sampler, data.corpus, capacity=capacity, dp=dp, dp_rank=dp_rank,
                       device=device, mb_args=mb_args)
     rows = it.next_rows()
