@@ -26,7 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ)
 ARMS = {"static": ["--sb-sparse-attention"], "sparse_balance": ["--sparse-balance"],
         "sab": ["--sb-sparse-attention", "--sb-batching"],
-        "matched": ["--sb-sparse-attention"], "control": ["--sb-sparse-attention"]}
+        "matched": ["--sb-sparse-attention"], "control": ["--sb-sparse-attention"],
+        "refresh": ["--sparse-balance", "--sb-quality-refresh-interval"]}   # + --refresh-interval
+DST_ARMS = ("sparse_balance", "refresh")
 METRICS = ("answer_nll", "heldout_loss")
 MARKERS = ("\x01", "\x03", "\x04")
 # one alphabet of 8 control bytes per needle (none occurs in the corpus): the key of needle j
@@ -92,17 +94,20 @@ def model_flags(args, profile: bool = False) -> list:
 
 
 def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str, *,
-              arm_flags=(), density=None, extra=()) -> list:
+              arm_flags=(), density=None, extra=(), valid=None) -> list:
     """The torchrun command of one run of ``args``' model; ``arm_flags``, ``density`` (default
-    d0) and ``extra`` flags; ``arm`` "dense" runs without the sparse flags (the base)."""
+    d0) and ``extra`` flags; ``arm`` "dense" runs without the sparse flags (the base). ``valid``:
+    a valid set of its own (the refresh's held-out batch), the training batches unchanged."""
+    source = ["--data-path", data, "--split", "100,0,0"] if valid is None else \
+        ["--train-data-path", data, "--valid-data-path", valid]
     flags = [*model_flags(args), "--micro-batch-size", "1",
              "--global-batch-size", args.global_batch_size, "--lr", args.lr,
              "--min-lr", args.lr / 10, "--lr-decay-style", "cosine",
              "--lr-warmup-iters", max(1, args.steps // 10), "--clip-grad", "1.0",
              "--weight-decay", "0.01", "--init-method-std", args.init_std,
              "--train-iters", args.steps,
-             "--log-interval", max(1, args.steps // 10), "--eval-iters", "0", "--split", "100,0,0",
-             "--seed", seed, "--sb-seed", seed, "--data-path", data, "--sb-tokenizer", "byte",
+             "--log-interval", max(1, args.steps // 10), "--eval-iters", "0", *source,
+             "--seed", seed, "--sb-seed", seed, "--sb-tokenizer", "byte",
              "--save", os.path.join(run_dir, "ckpt"), "--save-interval", args.steps,
              "--ckpt-format", "torch_dist",
              "--sb-metrics-file", os.path.join(run_dir, "metrics.jsonl"),
@@ -148,6 +153,7 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
     tail = losses[-max(1, len(losses) // 10):]
     ratio = [r["predicted_dst_s"] / r["predicted_static_s"] for r in rows
              if r.get("predicted_dst_s") and r.get("predicted_static_s")]
+    refreshed = [r for r in rows if "quality_refresh_s" in r]
     return {"steps": len(rows), "final_train_loss": sum(tail) / len(tail),
             "train_losses": losses,
             "mean_kept_density": mean("kept_density") or 1.0,
@@ -159,6 +165,10 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
             "tokens": [r["tokens"] for r in rows],
             # DST's predicted step over the static plan's, the mean over the steps it planned
             "predicted_step_vs_static": sum(ratio) / len(ratio) if ratio else None,
+            **({} if not refreshed else {          # --sb-quality-refresh-interval's refreshes
+                "quality_refreshes": [r["step"] for r in refreshed],
+                "quality_refresh_s": sum(r["quality_refresh_s"] for r in refreshed),
+                "quality_scales": [r.get("quality_scales") for r in refreshed]}),
             **document_densities(rows, block_size, d0)}
 
 
@@ -228,10 +238,10 @@ def load_model(args, ckpt: str, sb):
 
 
 def score_docs(model, budget, docs: list) -> list:
-    """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``, or its
-    ``answer_positions``), run alone: the summed next-token loss and its token count, the answer's
-    mean NLL, ``exact`` (every answer token the argmax) and the share that is, and the kept density
-    the sparse attention reported (grad mode on: the budget then records what it kept)."""
+    """Per document (``ids`` and its ``answer_positions``), run alone: the summed next-token
+    loss and its token count, the answer's mean NLL, ``exact`` (every answer token the argmax)
+    and the share that is, and the kept density the sparse attention reported (grad mode on:
+    the budget then records what it kept)."""
     import torch
     import torch.nn.functional as F
 
@@ -244,9 +254,7 @@ def score_docs(model, budget, docs: list) -> list:
         with torch.enable_grad():
             logits = model(ids, pos, attention_mask=None)[0].float()     # [s, V]
         stats = budget.pop_stats()
-        at = doc.get("answer_positions") or range(doc["answer_at"],
-                                                  doc["answer_at"] + doc["answer_len"])
-        at = torch.tensor(list(at), device=dev)
+        at = torch.tensor(doc["answer_positions"], device=dev)
         right = (logits[at - 1].argmax(-1) == ids[0, at]).tolist()
         rows.append({"nll": float(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")),
                      "tokens": ids.shape[1] - 1, "exact": float(all(right)),
@@ -276,7 +284,9 @@ def make_document(rng: random.Random, text: str, length: int, needles: int) -> d
 def build_data(args, out: str) -> tuple:
     """``out/base.jsonl`` (the base's documents, from ``--base-min-doc``: short ones teach the
     lookup at short range first), ``out/train.jsonl`` (the continued phase's, from
-    ``--min-doc``) and the held-out documents (sections split: none shared)."""
+    ``--min-doc``), the held-out documents (sections split: none shared) and ``out/valid.jsonl``
+    (the refresh arm's held-out batch: held-out sections, drawn after the held-out documents,
+    which it leaves as they were; the training runs never read it)."""
     rng = random.Random(args.data_seed)
     secs = corpus_sections(args.min_doc)
     rng.shuffle(secs)
@@ -294,7 +304,15 @@ def build_data(args, out: str) -> tuple:
         with open(path, "w") as f:
             for d in docs(train_secs, args.train_docs, shortest):
                 f.write(json.dumps({"text": d["text"]}) + "\n")
-    return paths, list(docs(held_secs, args.heldout))
+    held = list(docs(held_secs, args.heldout))
+    paths.append(os.path.join(out, "valid.jsonl"))
+    with open(paths[-1], "w") as f:
+        f.writelines(json.dumps({"text": d["text"]}) + "\n" for d in docs(held_secs, 64))
+    return paths, held
+
+
+def arm_flags(args, arm: str) -> list:
+    return ARMS[arm] + ([str(args.refresh_interval)] if arm == "refresh" else [])
 
 
 def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
@@ -464,6 +482,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=150, help="continued-phase steps")
     ap.add_argument("--density", type=float, default=0.5, help="d0")
     ap.add_argument("--control-factor", type=float, default=0.9)
+    ap.add_argument("--refresh-interval", type=int, default=None, metavar="N",
+                    help="the refresh arm's --sb-quality-refresh-interval (default: --steps / "
+                         "6, five refreshes)")
     ap.add_argument("--needles", type=int, default=3, choices=(1, 2, 3))
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-layers", type=int, default=2)
@@ -507,6 +528,11 @@ def parse_args(argv=None):
                  f"{5 * args.needles + 2} bytes: expected at least that")
     args.seeds = args.seeds or ([101, 102, 103] if args.pilot else list(range(1, 11)))
     args.arms = args.arms or (["static", "control"] if args.pilot else list(ARMS))
+    if args.refresh_interval is None:
+        args.refresh_interval = max(1, args.steps // 6)
+    if "refresh" in args.arms and not 1 <= args.refresh_interval < args.steps:
+        ap.error(f"--refresh-interval {args.refresh_interval}: expected 1 <= N < --steps "
+                 f"{args.steps} (a refresh at the last step or later plans nothing)")
     return args
 
 
@@ -531,69 +557,77 @@ def per_seed(run: dict, reading=None) -> dict:
 
 
 STEP_TOLERANCE = 0.005   # DST's predicted step may be at most 0.5% slower than static's
+# the verdicts beside the matched one: group -> name -> (arm, its reading, against, its reading,
+# matched on). A reading: "d0", "1" (dense) or "profile" (the run's trained per-layer densities
+# scaled to d0's kept work; a static run reads its seed's DST profile); matched on "step" (the
+# first arm's predicted step over static's no slower than the second's) or "kept" (the kept
+# density the attention reported at evaluation)
+READINGS = {
+    # what training under DST's plan did, both read at d0 ("equal_time": the group is its row)
+    "verdicts_equal_time": {"equal_time": ("sparse_balance", "d0", "static", "d0", "step")},
+    # each network read as it trained at equal attention work, both at DST's profile, both dense
+    "verdicts_as_trained": {
+        "trained_profile_at_d0_work": ("sparse_balance", "profile", "static", "d0", "kept"),
+        "both_at_dsts_profile": ("sparse_balance", "profile", "static", "profile", "kept"),
+        "dense": ("sparse_balance", "1", "static", "1", "kept")},
+    # the quality model refreshed from the network in training, against the launch-time model
+    "verdicts_refresh": {
+        "at_d0": ("refresh", "d0", "sparse_balance", "d0", "step"),
+        "as_trained_at_d0_work": ("refresh", "profile", "sparse_balance", "profile", "step")}}
 
 
-def equal_time(table: dict, seeds: list, runs: dict, args, margin: dict) -> dict:
-    """``sparse_balance`` against ``static`` at a predicted step no slower than static's, both
-    scored at d0 (the same held-out condition: what training under DST's plan did to the
-    model): per metric the non-inferiority verdict (the arms matched on DST's predicted step
-    over static's, a faster one counted as equal) and the superiority reading (free accuracy:
-    better where the upper bound is below 0), each with the control."""
+def reading_of(run: dict, how: str, args):
+    """``run``'s evaluation key read ``how`` (a ``READINGS`` reading); None if not scored."""
+    key = {"d0": reading_key(args.density), "1": "1"}.get(how) or (
+        reading_key(run["equal_work_profile"]) if "equal_work_profile" in run else None)
+    return key if key in run["eval"] else None
+
+
+def compared(seeds: list, runs: dict, args, margin: dict, arm: str, how: str, other: str,
+             other_how: str, matched: str) -> dict:
+    """Per metric, ``arm`` read ``how`` minus ``other`` read ``other_how``, paired by seed: the
+    superiority reading (free accuracy: better where the upper bound is below 0) and, with a
+    margin, the non-inferiority verdict matched as ``READINGS`` says (a faster step counted as
+    equal), each with the control (each control run at its own density against static at d0).
+    {} where a run lacks the reading or a DST run its predicted step."""
     from sparsebalance_megatron.eval import verdict as V
 
-    sb = {s: per_seed(runs["sparse_balance"][s], args.density) for s in seeds}
-    ratio = [runs["sparse_balance"][s]["train"].get("predicted_step_vs_static") for s in seeds]
-    if any(r is None for r in ratio):
+    keys = [[reading_of(runs[a][s], h, args) for s in seeds] for a, h in ((arm, how),
+                                                                          (other, other_how))]
+    if None in keys[0] + keys[1]:
         return {}
+    a, b = ({s: per_seed(runs[x][s], k) for s, k in zip(seeds, ks)}
+            for x, ks in zip((arm, other), keys))
+    ctl = {s: (per_seed(runs["control"][s]), per_seed(runs["static"][s])) for s in seeds}
+    if matched == "step":
+        kept, ref = ([runs[x][s]["train"].get("predicted_step_vs_static") if x in DST_ARMS
+                      else 1.0 for s in seeds] for x in (arm, other))
+        how_matched = dict(tolerance=STEP_TOLERANCE, at_most=True, matched_on=(
+            f"predicted step time over {other if other in DST_ARMS else 'static'}'s, no slower"))
+        if None in kept + ref:
+            return {}
+    else:
+        kept, ref = ([x[s]["eval_kept"] for s in seeds] for x in (a, b))
+        how_matched = dict(tolerance=args.match_tolerance, matched_on="kept density at evaluation")
     out = {}
     for k in METRICS:
-        d = [sb[s][k] - table["static"][s][k] for s in seeds]
-        ctl = [table["control"][s][k] - table["static"][s][k] for s in seeds]
-        out[k] = {"better": V.superiority(d, ctl), "predicted_step_vs_static": ratio}
+        d = [a[s][k] - b[s][k] for s in seeds]
+        c = [ctl[s][0][k] - ctl[s][1][k] for s in seeds]
+        out[k] = {"better": V.superiority(d, c)}
+        if matched == "step":
+            out[k]["predicted_step_vs_static"] = kept
         if margin.get(k):
-            out[k]["non_inferior"] = V.verdict(
-                d, ctl, margin[k], kept=ratio, kept_reference=[1.0] * len(seeds),
-                tolerance=STEP_TOLERANCE, at_most=True,
-                matched_on="predicted step time over static's, no slower")
+            out[k]["non_inferior"] = V.verdict(d, c, margin[k], kept=kept, kept_reference=ref,
+                                               **how_matched)
     return out
 
 
-def read_as_trained(seeds: list, runs: dict, args, margin: dict) -> dict:
-    """``sparse_balance`` read at the per-layer densities it trained at, scaled to uniform d0's
-    kept work (``equal_work``), against ``static`` at d0 and against ``static`` read at the same
-    densities (what training under DST did, apart from the allocation's own worth); and both
-    read dense (``1``): per reading and metric the superiority reading and, with a margin, the
-    verdict matched on the kept density the attention reported at evaluation. The training step is matched as in
-    ``equal_time`` (DST's predicted step no slower). The control: as everywhere here, each
-    control run at its own density against static at d0."""
-    from sparsebalance_megatron.eval import verdict as V
-
-    sb_runs = runs["sparse_balance"]
-    if any("equal_work_profile" not in sb_runs[s] for s in seeds):
-        return {}
-    ctl = {s: (per_seed(runs["control"][s]), per_seed(runs["static"][s])) for s in seeds}
-    out = {}
-    profile = {s: reading_key(sb_runs[s]["equal_work_profile"]) for s in seeds}
-    for name, mine, theirs in (
-            ("trained_profile_at_d0_work", profile.get, lambda s: args.density),
-            ("both_at_dsts_profile", profile.get, profile.get),
-            ("dense", lambda s: "1", lambda s: "1")):
-        if name == "both_at_dsts_profile" and any(
-                profile[s] not in runs["static"][s]["eval"] for s in seeds):
-            continue
-        a = {s: per_seed(sb_runs[s], mine(s)) for s in seeds}
-        b = {s: per_seed(runs["static"][s], theirs(s)) for s in seeds}
-        out[name] = {}
-        for k in METRICS:
-            d = [a[s][k] - b[s][k] for s in seeds]
-            c = [ctl[s][0][k] - ctl[s][1][k] for s in seeds]
-            out[name][k] = {"better": V.superiority(d, c)}
-            if margin.get(k):
-                out[name][k]["non_inferior"] = V.verdict(
-                    d, c, margin[k], kept=[a[s]["eval_kept"] for s in seeds],
-                    kept_reference=[b[s]["eval_kept"] for s in seeds],
-                    tolerance=args.match_tolerance, matched_on="kept density at evaluation")
-    return out
+def readings(group: str, seeds: list, runs: dict, args, margin: dict) -> dict:
+    """``READINGS[group]``'s comparisons that every seed's runs can make."""
+    got = {name: compared(seeds, runs, args, margin, *spec)
+           for name, spec in READINGS[group].items() if spec[0] in runs and spec[2] in runs}
+    got = {name: v for name, v in got.items() if v}
+    return got.get("equal_time", {}) if group == "verdicts_equal_time" else got
 
 
 def summarize(doc: dict, args) -> dict:
@@ -626,8 +660,8 @@ def summarize(doc: dict, args) -> dict:
             kept_reference=[table["matched"][s]["train_kept"] for s in seeds],
             tolerance=args.match_tolerance) for k in METRICS if margin.get(k)}
     if all(a in arms for a in ("sparse_balance", "static", "control")):
-        out["verdicts_equal_time"] = equal_time(table, seeds, runs, args, margin or {})
-        out["verdicts_as_trained"] = read_as_trained(seeds, runs, args, margin or {})
+        for group in READINGS if "refresh" in arms else list(READINGS)[:2]:
+            out[group] = readings(group, seeds, runs, args, margin or {})
     if args.pilot and "control-static" in pairs:
         out["margin"], out["seeds_needed"] = {}, {}
         for k in METRICS:
@@ -642,7 +676,8 @@ def summarize(doc: dict, args) -> dict:
 
 # the paired comparisons the summary reports, (arm, against)
 PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
-         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
+         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"),
+         ("refresh", "sparse_balance"))
 
 
 def read_margin(args) -> dict:
@@ -655,32 +690,31 @@ def read_margin(args) -> dict:
 def print_summary(doc: dict) -> None:
     from sparsebalance_megatron.eval.verdict import one_line
 
-    print("\n| arm | eval density | " + " | ".join(SHOWN) + " |")
-    print("|---|---:|" + "---:|" * len(SHOWN))
+    def bound(v: dict, f: str) -> str:
+        return f"{v['mean']:{f}}" + ("" if v["upper"] is None else
+                                     f" [{v['lower']:{f}}, {v['upper']:{f}}]")
+    print("\n| arm | eval density | " + " | ".join(SHOWN) + " |\n|---|---:|" + "---:|" * len(SHOWN))
     for a, m in doc["means"].items():
         print(f"| {a} | {doc['arms'][a]['eval_density']:.4f} | "
               + " | ".join(f"{m[k]:.4f}" if k in m else "-" for k in SHOWN) + " |")
     for p, ms in doc["pairs"].items():
-        print(f"{p}: " + ", ".join(
-            f"{k} {v['mean']:+.4f}" + ("" if v["upper"] is None else
-                                       f" [{v['lower']:+.4f}, {v['upper']:+.4f}]")
-            for k, v in ms.items() if k in METRICS + ("train_kept",)))
+        print(f"{p}: " + ", ".join(f"{k} {bound(v, '+.4f')}" for k, v in ms.items()
+                                   if k in METRICS + ("train_kept",)))
     if doc.get("static_holds_task"):
         h = doc["static_holds_task"]
         print(f"static holds the task: token accuracy {h['token_accuracy']:.3f} = "
               f"{h['x_chance']:.1f}x chance ({'held' if h['held'] else 'NOT held'})")
     for k, v in (doc.get("verdicts") or {}).items():
         print(f"verdict {k}: {one_line(v)}")
-    def reading(label: str, v: dict) -> str:
-        b = v["better"]
-        return (f"{label}: {b['verdict']} {b['mean']:+.5f}"
-                + ("" if b["upper"] is None else f" [{b['lower']:+.5f}, {b['upper']:+.5f}]")
-                + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
-    for k, v in (doc.get("verdicts_equal_time") or {}).items():
-        print(reading(f"equal step time, sparse_balance - static at d0, {k}", v))
-    for name, ms in (doc.get("verdicts_as_trained") or {}).items():
-        for k, v in ms.items():
-            print(reading(f"read {name.replace('_', ' ')}, sparse_balance - static, {k}", v))
+    for group, label in (("verdicts_equal_time", "equal step time"),
+                         ("verdicts_as_trained", "read"), ("verdicts_refresh", "read")):
+        rows = doc.get(group) or {}
+        for name, ms in ({"": rows} if group == "verdicts_equal_time" else rows).items():
+            arm, _, other, *_ = READINGS[group][name or "equal_time"]
+            for k, v in ms.items():
+                print(f"{label} {name.replace('_', ' ')}, {arm} - {other}, {k}: "
+                      f"{v['better']['verdict']} {bound(v['better'], '+.5f')}"
+                      + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
     if doc.get("margin") and doc["config"]["pilot"]:
         print(f"margin fixed: {doc['margin']}; seeds needed: {doc.get('seeds_needed')}")
 
@@ -690,9 +724,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     fixed = read_margin(args) if args.margin_from else {}
     os.makedirs(args.out, exist_ok=True)
-    (base_data, data), held = build_data(args, args.out)
-    docs = [{"ids": list(d["text"].encode("ascii")), "answer_positions": d["answer_positions"],
-             "answer_at": d["answer_positions"][0], "answer_len": args.needles}
+    (base_data, data, valid), held = build_data(args, args.out)
+    docs = [{"ids": list(d["text"].encode("ascii")), "answer_positions": d["answer_positions"]}
             for d in held]
     table = latency_table(args, args.out)
     walls = {}
@@ -705,14 +738,15 @@ def main(argv=None) -> int:
     load = ["--load", os.path.join(base, "ckpt"), "--finetune", "--no-load-optim",
             "--no-load-rng"]
     d_train = {"static": args.density, "sab": args.density, "sparse_balance": args.density,
-               "control": args.control_factor * args.density}
+               "refresh": args.density, "control": args.control_factor * args.density}
     train, dirs, d_eval = {}, {}, dict(d_train)
 
     def train_arm(arm: str, name: str) -> None:
         for s in args.seeds:
             dirs[(arm, s)] = run_once(args, args.out, f"{name}_s{s}", lambda r, s=s: train_cmd(
-                cont, arm, s, data, table, r, arm_flags=ARMS[arm], density=d_train[arm],
-                extra=load), walls)
+                cont, arm, s, data, table, r, arm_flags=arm_flags(args, arm),
+                density=d_train[arm], extra=load, valid=valid if arm == "refresh" else None),
+                walls)
             train[(arm, s)] = read_metrics(dirs[(arm, s)])
     for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
         train_arm(arm, arm)
@@ -732,23 +766,23 @@ def main(argv=None) -> int:
         lengths = [len(d["ids"]) for d in docs]
         summaries = {key: train_summary(rows, args.block_size, d_train[key[0]])
                      for key, rows in train.items()}
-        profiles = {}                       # per seed DST's trained profile, raw and at d0's work
+        profiles = {}              # per DST run its trained profile, raw and at d0's work
         for (arm, s), summary in summaries.items():
-            if arm == "sparse_balance" and summary.get("doc_planned_per_stage"):
+            if arm in DST_ARMS and summary.get("doc_planned_per_stage"):
                 raw = trained_profile(summary, args)
-                profiles[s] = {"trained_profile": raw,
-                               "equal_work_profile": equal_work(raw, lengths, args)}
+                profiles[(arm, s)] = {"trained_profile": raw,
+                                      "equal_work_profile": equal_work(raw, lengths, args)}
         for (arm, s), summary in summaries.items():
             run = runs.setdefault(arm, {})[str(s)] = {
                 "train": {k: v for k, v in summary.items()
                           if k not in ("tokens", "train_losses")},
                 "eval_density": d_eval[arm]}
-            readings = [d_eval[arm], 1.0]
-            if arm == "sparse_balance" and s in profiles:
-                run.update(profiles[s])
-                readings += [args.density, *profiles[s].values()]
-            elif arm == "static" and s in profiles:   # the same seed's profile, static network
-                run["equal_work_profile"] = profiles[s]["equal_work_profile"]
+            readings, dst = [d_eval[arm], 1.0], profiles.get(("sparse_balance", s))
+            if (arm, s) in profiles:
+                run.update(profiles[(arm, s)])
+                readings += [args.density, *profiles[(arm, s)].values()]
+            elif arm == "static" and dst:         # the same seed's profile, static network
+                run["equal_work_profile"] = dst["equal_work_profile"]
                 readings.append(run["equal_work_profile"])
             run["eval"] = evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
                                    list({reading_key(r): r for r in readings}.values()), pool)
@@ -757,7 +791,7 @@ def main(argv=None) -> int:
                 f"loss {e['heldout_loss']:.4f}" for d, e in runs[arm][str(s)]["eval"].items()),
                 flush=True)
     doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
-           "arms": {a: {"flags": ARMS[a], "eval_density": d_eval.get(a)} for a in runs
+           "arms": {a: {"flags": arm_flags(args, a), "eval_density": d_eval.get(a)} for a in runs
                     if a != "base"},
            "chance": {"token_accuracy": 1 / len(ALPHABETS[0]),
                       "exact": len(ALPHABETS[0]) ** -args.needles},

@@ -1,8 +1,9 @@
 """The continued-training quality study's quick form (issue 73, ``scripts/bench.py
 continued_quality --quick``): the pilot (base, static, control) writes its margin, and scored
 again at ``--eval-jobs 2`` gives the same scores; the main form reads the margin, keeps the
-pilot's checkpoints, trains the other arms and the matched arm under a name that carries its
-density (other seeds give another density: no stale run is reused), and states a verdict. What
+pilot's checkpoints, trains the other arms (the refresh arm on a valid set of its own) and the
+matched arm under a name that carries its density (other seeds give another density: no stale
+run is reused), and states a verdict. What
 the numbers say is not checked: two steps learn nothing."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def study(*argv) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow   # about 2 min: seven short pretrain() runs, the pilot evaluated twice
+@pytest.mark.slow   # about 2 min: eight short pretrain() runs, the pilot evaluated twice
 def test_quick_pilot_then_main_run(tmp_path):
     out, pilot, main = tmp_path / "runs", tmp_path / "pilot.json", tmp_path / "main.json"
     study("--out", str(out), "--json", str(pilot))
@@ -40,6 +41,12 @@ def test_quick_pilot_then_main_run(tmp_path):
     log = study("--out", str(out), "--margin-from", str(pilot), "--json", str(main))
     assert "kept static_s1" in log and "kept control_s1" in log        # the pilot's runs reused
     m = json.loads(main.read_text())
+    # the refresh arm: its own valid set, the model refreshed at step 1 (not the last), read
+    # against the plain DST run
+    refreshed = m["runs"]["refresh"]["1"]["train"]
+    assert refreshed["quality_refreshes"] == [1] and refreshed["quality_refresh_s"] > 0
+    assert m["arms"]["refresh"]["flags"][-2:] == ["--sb-quality-refresh-interval", "1"]
+    assert set(m["verdicts_refresh"]["at_d0"]) == {"answer_nll", "heldout_loss"}
     d_m = m["arms"]["matched"]["eval_density"]
     assert (out / f"matched{d_m:.4f}_s1" / "ckpt").exists()
     assert m["margin"] == p["margin"] and set(m["verdicts"]) <= {"answer_nll", "heldout_loss"}

@@ -219,8 +219,7 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
             "sparse_balance": {s: run(1.99 + 0.01 * i - 0.0005 * (i % 2), r, {"0.61": {
                 "answer_nll": 1.0, "heldout_loss": 9.0, "token_accuracy": 0.5, "exact": 0.1}})
                 for (i, s), r in zip(enumerate(seeds), (1.0, 0.998, 1.001, 1.0))}}
-    table = {a: {s: cq.per_seed(runs[a][s]) for s in seeds} for a in runs}
-    got = cq.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
+    got = cq.readings("verdicts_equal_time", seeds, runs, args, {"heldout_loss": 0.01})
     loss = got["heldout_loss"]
     assert loss["better"]["verdict"] == "better"
     assert loss["better"]["mean"] == pytest.approx(-0.01 - 0.00025)
@@ -230,8 +229,49 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
     assert loss["non_inferior"]["density"]["matched"]
     assert "non_inferior" not in got["answer_nll"]                  # no margin for it
     runs["sparse_balance"]["3"]["train"]["predicted_step_vs_static"] = 1.02   # 2% slower
-    got = cq.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
+    got = cq.readings("verdicts_equal_time", seeds, runs, args, {"heldout_loss": 0.01})
     assert got["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
+
+
+def test_the_refresh_arm_is_read_against_the_plain_dst_run_at_its_predicted_step(capsys):
+    """refresh - sparse_balance, paired by seed, at d0 and each at its own trained profile, the
+    step matched on the refreshed run's predicted step over the plain run's (not static's)."""
+    args = cq.parse_args(["--out", "x", "--pipeline", "3", "--num-layers", "3",
+                          "--margin-from", "p.json"])
+    assert args.refresh_interval == 25 and cq.arm_flags(args, "refresh")[-2:] == [
+        "--sb-quality-refresh-interval", "25"]
+    seeds = ["1", "2", "3", "4"]
+
+    def run(loss, ratio=None, prof=None):
+        ev = {"0.5": {"answer_nll": 1.0, "heldout_loss": loss, "token_accuracy": 0.5,
+                      "exact": 0.1, "kept": 0.5}}
+        out = {"eval_density": 0.5, "eval": ev, "train": {"predicted_step_vs_static": ratio}}
+        if prof is not None:
+            out["equal_work_profile"] = prof
+            ev[cq.reading_key(prof)] = dict(ev["0.5"], heldout_loss=loss - 0.01)
+        return out
+    runs = {"static": {s: run(2.0 + 0.01 * i) for i, s in enumerate(seeds)},
+            "control": {s: run(2.02 + 0.01 * i + 0.001 * (i % 2)) for i, s in enumerate(seeds)},
+            "sparse_balance": {s: run(2.0 + 0.01 * i, 0.95, [0.6, 0.5, 0.4])
+                               for i, s in enumerate(seeds)},
+            "refresh": {s: run(1.998 + 0.01 * i - 0.0002 * (i % 2), r, [0.62, 0.5, 0.38])
+                        for (i, s), r in zip(enumerate(seeds), (0.95, 0.949, 0.952, 0.95))}}
+    got = cq.readings("verdicts_refresh", seeds, runs, args, {"heldout_loss": 0.01})
+    for name in ("at_d0", "as_trained_at_d0_work"):
+        loss = got[name]["heldout_loss"]
+        assert loss["better"]["verdict"] == "better"
+        assert loss["better"]["mean"] == pytest.approx(-0.002 - 0.0001)
+        assert loss["non_inferior"]["verdict"] == "non-inferior"
+        assert "over sparse_balance's" in loss["non_inferior"]["matched_on"]
+        assert loss["predicted_step_vs_static"] == [0.95, 0.949, 0.952, 0.95]
+    runs["refresh"]["3"]["train"]["predicted_step_vs_static"] = 0.97     # 2% slower than DST's
+    got = cq.readings("verdicts_refresh", seeds, runs, args, {"heldout_loss": 0.01})
+    assert got["at_d0"]["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
+    del runs["refresh"]["2"]["equal_work_profile"]
+    assert set(cq.readings("verdicts_refresh", seeds, runs, args, {})) == {"at_d0"}
+    with pytest.raises(SystemExit):
+        cq.parse_args(["--out", "x", "--margin-from", "p.json", "--refresh-interval", "150"])
+    assert "--refresh-interval 150: expected 1 <= N < --steps 150" in capsys.readouterr().err
 
 
 def test_the_trained_profile_read_at_d0s_work_keeps_its_shape_and_d0s_blocks():
@@ -310,7 +350,7 @@ def test_the_as_trained_readings_compare_dsts_profile_and_dense_against_static()
                         for i, s in enumerate(seeds)},
             "sparse_balance": {s: run(0.5, i, 1.995 + 0.01 * i - 0.0003 * (i % 2))
                                for i, s in enumerate(seeds)}}
-    got = cq.read_as_trained(seeds, runs, args, {"heldout_loss": 0.01})
+    got = cq.readings("verdicts_as_trained", seeds, runs, args, {"heldout_loss": 0.01})
     prof_loss = got["trained_profile_at_d0_work"]["heldout_loss"]
     assert prof_loss["better"]["verdict"] == "better"
     assert prof_loss["better"]["mean"] == pytest.approx(-0.005 - 0.00015)
@@ -321,13 +361,15 @@ def test_the_as_trained_readings_compare_dsts_profile_and_dense_against_static()
     assert dense["better"]["mean"] == pytest.approx(0.003 + 0.0001)
     assert "non_inferior" not in got["dense"]["answer_nll"]        # no margin for it
     assert "both_at_dsts_profile" not in got                       # static not read there
-    for i, s in enumerate(seeds):                                  # static at DST's profile
+    for i, s in enumerate(seeds):      # static read at its seed's DST profile, as main records
+        runs["static"][s]["equal_work_profile"] = prof
         runs["static"][s]["eval"][cq.reading_key(prof)] = ev(1.996 + 0.01 * i, 0.502)
-    same = cq.read_as_trained(seeds, runs, args, {"heldout_loss": 0.01})["both_at_dsts_profile"]
+    same = cq.readings("verdicts_as_trained", seeds, runs, args,
+                       {"heldout_loss": 0.01})["both_at_dsts_profile"]
     assert same["heldout_loss"]["better"]["mean"] == pytest.approx(-0.001 - 0.00015)
     assert same["heldout_loss"]["non_inferior"]["density"]["gaps"] == pytest.approx([0] * 4)
     del runs["sparse_balance"]["2"]["equal_work_profile"]          # a run without the readings
-    assert cq.read_as_trained(seeds, runs, args, {}) == {}
+    assert set(cq.readings("verdicts_as_trained", seeds, runs, args, {})) == {"dense"}
 
 
 def test_a_confirmatory_inference_run_takes_fresh_seeds_or_refuses_negative_ones(capsys):
