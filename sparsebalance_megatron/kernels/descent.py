@@ -17,7 +17,6 @@ import numpy as np
 from . import i64, jit, slack
 from .graph import earliest_finish, makespan, simulate, unit_floats
 from .grid import fit_limit, highest_within, seconds, source, total
-from .slack import SCALE
 from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables, unit_offsets
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
@@ -192,7 +191,7 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         delta[j] = t_min[q] - t[j]
         hi[j] = plan.idx[q]
     sr = _search(graph, on, t, delta, np.full(n, i_min, dtype=np.int64), hi,
-                 CUT_FRACTIONS, np.full(dp, target * SCALE))
+                 CUT_FRACTIONS, np.full(dp, fit_limit(target)))
     k = CUT_FRACTIONS.size
     at = np.full((k, n), -1, dtype=np.int64)
     i = 0

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels.records import Tables
+from ..kernels.slack import slower
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts
 from .dst_settings import DSTSettings
@@ -67,7 +68,7 @@ def descend_at(rnd, idx: np.ndarray, raise_headroom: float, meets_at,
                 continue
         new, mk_new = rnd.raise_fit(cut, deadline)
         new_step, new_idx = float(mk_new.max()), new.idx.reshape(idx.shape)
-        if new_step < step * (1 - 1e-9) and meets_at(new_idx):
+        if slower(step, new_step) and meets_at(new_idx):          # the new plan is faster
             rnd.plan_changed(new.idx == plan.idx)
             idx, plan, step, mk = new_idx, new, new_step, mk_new
             eta = min(eta * 1.5, ETA_MAX)

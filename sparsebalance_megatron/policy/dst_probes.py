@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.slack import slower
 from .critical_path import ROUNDS, descend_at, descent_floors, descent_round
 
 PROBES = 64               # the descent's probe steps ...
@@ -166,11 +167,11 @@ class RankProbes:
                 if lim is not None:
                     lim_total, lim_stage = total0 - lim[0], kept0 - lim[1]
                 got = descend(plan, goal)
-                if got[1] > goal * (1.0 + 1e-9) and plan is not self.top:
+                if slower(got[1], goal) and plan is not self.top:
                     again = descend(self.top, goal)
                     got = again if again[1] < got[1] else got
                 plan = got
-                if plan[1] > goal * (1.0 + 1e-9):
+                if slower(plan[1], goal):
                     first = self.steps.size
             yield j, plan
 

@@ -14,7 +14,7 @@ from typing import Callable, Generator, Optional, Sequence
 import numpy as np
 
 from ..config import STAND_DOWN_COMPARES
-from ..kernels.slack import fit_limit
+from ..kernels.slack import slower
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts
 from .dst_rounds import group_max, plan_rounds_in_process
@@ -28,12 +28,6 @@ def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0
         raise ValueError(f"densities {d.shape} do not match the costs' units {costs.shape}")
     f, b = costs.at(costs.grid_index(d))
     return float(pipeline_makespan_s(f, b, p2p_s, pp=costs.pipeline_ranks).max())
-
-
-def slower(t_s: float, reference_s: float) -> bool:
-    """t_s predicted slower than reference_s (a tie, within the planner's float slack
-    ``kernels.slack.fit_limit``, is not slower)."""
-    return t_s > fit_limit(reference_s)
 
 
 @dataclass

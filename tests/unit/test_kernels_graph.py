@@ -7,7 +7,7 @@ grid search as a scan of the grid, and a descent round's cut as every fraction s
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.kernels import descent, graph, grid
+from sparsebalance_megatron.kernels import descent, graph, grid, slack
 from sparsebalance_megatron.kernels.records import Tables
 from sparsebalance_megatron.sim.pipeline import event_graph
 from tests.unit._floats import latest_finish, unit_floats
@@ -181,14 +181,14 @@ def test_a_descent_cut_is_every_fraction_simulated(form, by_formula):
                 cand = idx.copy()
                 for q in mine:
                     t = f[q] + b[q]
-                    lim = (t + frac * (t_min[q] - t)) * descent.SCALE + 1e-15
+                    lim = slack.fit_limit(t + frac * (t_min[q] - t))
                     cand[q] = max([i for i in range(idx[q] + 1) if tables.tot[q * 6 + i] <= lim],
                                   default=0)
                 at = np.arange(dp * n) * 6 + cand
                 d = g.durations(tables.fwd[at].reshape(dp, m, pp),
                                 tables.bwd[at].reshape(dp, m, pp))
                 tried.append((g.makespan(g.earliest_finish(d, 1e-3))[r], cand[mine]))
-            ok = [k for k, (t, _) in enumerate(tried) if t <= target * descent.SCALE]
+            ok = [k for k, (t, _) in enumerate(tried) if t <= slack.fit_limit(target)]
             assert fits[j] == bool(ok)
             seen.add(bool(ok))
             k = ok[0] if ok else 0
