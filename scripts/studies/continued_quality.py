@@ -39,8 +39,7 @@ ALPHABETS = ("".join(map(chr, range(0x10, 0x18))), "".join(map(chr, range(0x18, 
 QUERY = "\x02"
 
 
-# ---- data, runs and a run's record (the trained-quality study's, which left the tree at 5e60583:
-# git keeps it at 95dd824)
+# ---- data, runs and a run's record
 
 def corpus_sections(min_chars: int) -> list:
     """The built-in corpus's sections (stdlib definitions, play scenes): printable ASCII, tabs and
@@ -155,14 +154,12 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
              if r.get("predicted_dst_s") and r.get("predicted_static_s")]
     refreshed = [r for r in rows if "quality_refresh_s" in r]
     return {"steps": len(rows), "final_train_loss": sum(tail) / len(tail),
-            "train_losses": losses,
             "mean_kept_density": mean("kept_density") or 1.0,
             "mean_planned_density": mean("mean_density") or 1.0,
             "dst_steps_cut": sum(c > 0 for c in cut), "dst_steps_raised": sum(r > 0 for r in raised),
             "dst_units_cut": sum(cut), "dst_units_raised": sum(raised),
             "dst_stood_down": sum(int(r.get("dst_stood_down") or 0) for r in rows),
             "sab_stood_down": sum(int(r.get("sab_stood_down") or 0) for r in rows),
-            "tokens": [r["tokens"] for r in rows],
             # DST's predicted step over the static plan's, the mean over the steps it planned
             "predicted_step_vs_static": sum(ratio) / len(ratio) if ratio else None,
             **({} if not refreshed else {          # --sb-quality-refresh-interval's refreshes
@@ -773,10 +770,8 @@ def main(argv=None) -> int:
                 profiles[(arm, s)] = {"trained_profile": raw,
                                       "equal_work_profile": equal_work(raw, lengths, args)}
         for (arm, s), summary in summaries.items():
-            run = runs.setdefault(arm, {})[str(s)] = {
-                "train": {k: v for k, v in summary.items()
-                          if k not in ("tokens", "train_losses")},
-                "eval_density": d_eval[arm]}
+            run = runs.setdefault(arm, {})[str(s)] = {"train": summary,
+                                                      "eval_density": d_eval[arm]}
             readings, dst = [d_eval[arm], 1.0], profiles.get(("sparse_balance", s))
             if (arm, s) in profiles:
                 run.update(profiles[(arm, s)])
