@@ -709,7 +709,8 @@ def print_summary(doc: dict) -> None:
         for name, ms in ({"": rows} if group == "verdicts_equal_time" else rows).items():
             arm, _, other, *_ = READINGS[group][name or "equal_time"]
             for k, v in ms.items():
-                print(f"{label} {name.replace('_', ' ')}, {arm} - {other}, {k}: "
+                print(f"{' '.join(filter(None, (label, name.replace('_', ' '))))}, "
+                      f"{arm} - {other}, {k}: "
                       f"{v['better']['verdict']} {bound(v['better'], '+.5f')}"
                       + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
     if doc.get("margin") and doc["config"]["pilot"]:
