@@ -16,6 +16,7 @@ from ..arguments import add_sparsebalance_args
 from ..config import ConfigError
 from .launch import compat
 from .launch.checks import LaunchError, cpu_parser_defaults, flag_conflicts
+from .launch.data_checks import PER_SPLIT_DATA, WHOLE_DATA
 from .launch.preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
 from .runtime.refusal import refusal
 
@@ -75,10 +76,8 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     for flag in ("--tokenizer-type", "--split", "--seed"):
         parser.add_argument(flag)
     parser.add_argument("--vocab-size", type=int)
-    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
-        parser.add_argument(flag, nargs="*")
-    for flag in ("--data-args-path", "--per-split-data-args-path"):
-        parser.add_argument(flag)
+    for flag, _ in WHOLE_DATA + PER_SPLIT_DATA:       # a list, or the file that holds it
+        parser.add_argument(flag, nargs=None if flag.endswith("-args-path") else "*")
     try:
         # The plugin's flags first of all (this runs before Megatron parses anything): one line
         # naming the flag and value, before Megatron's tokenizer or data would trip over it.
@@ -99,10 +98,8 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     from .step.data import load_data
 
     try:
-        data = load_data(argparse.Namespace(tokenizer_type=None, **{
-            k: getattr(ns, k) for k in ("data_path", "split", "data_args_path", "train_data_path",
-                                        "valid_data_path", "test_data_path",
-                                        "per_split_data_args_path")}), sb)
+        data = load_data(argparse.Namespace(tokenizer_type=None, split=ns.split, **{
+            dest: getattr(ns, dest) for _, dest in WHOLE_DATA + PER_SPLIT_DATA}), sb)
     except (ValueError, OSError) as e:
         # Megatron's parse would fail next on NullTokenizer without a vocabulary size, hiding
         # the cause: say it here.

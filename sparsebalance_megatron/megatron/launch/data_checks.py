@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from ...config import SparseBalanceConfig, flag_name
 
+# Megatron's ways to give the data, (flag, its parsed name): the whole data set (split by
+# --split) or each split's own; in each, lists on the command line or the file that holds them
+WHOLE_DATA = (("--data-path", "data_path"), ("--data-args-path", "data_args_path"))
+PER_SPLIT_DATA = (("--train-data-path", "train_data_path"),
+                  ("--valid-data-path", "valid_data_path"),
+                  ("--test-data-path", "test_data_path"),
+                  ("--per-split-data-args-path", "per_split_data_args_path"))
+
 
 def packer_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """One packer per launch. Megatron-LM dev's sequence packing scheduler (``train_step`` wraps
@@ -54,13 +62,8 @@ def data_conflicts(args) -> list[str]:
     if getattr(args, "mock_data", False):
         out.append("--mock-data (the plugin's data path packs real documents; give --data-path "
                    "or nothing for the built-in corpus)")
-    per_split = [f for f, dest in (("--train-data-path", "train_data_path"),
-                                   ("--valid-data-path", "valid_data_path"),
-                                   ("--test-data-path", "test_data_path"),
-                                   ("--per-split-data-args-path", "per_split_data_args_path"))
-                 if getattr(args, dest, None) is not None]
-    whole = [f for f, dest in (("--data-path", "data_path"), ("--data-args-path", "data_args_path"))
-             if getattr(args, dest, None) is not None]
+    per_split, whole = ([f for f, dest in ways if getattr(args, dest, None) is not None]
+                        for ways in (PER_SPLIT_DATA, WHOLE_DATA))
     for named in (whole, per_split):        # a list and the file that would hold it
         if len(named) > 1 and named[-1].endswith("-args-path"):
             out.append(f"{named[0]} with {named[-1]}: give the data one way (Megatron reads "
