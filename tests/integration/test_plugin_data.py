@@ -130,6 +130,7 @@ def test_data_args_path_is_data_path_in_a_file(two_sets, tmp_path):
 
 @pytest.mark.parametrize("text, needle", [
     ("{not json", "JSONDecodeError"), ('{"train": ["x"]}', "KeyError"),
+    ('{"train": [0.5, "a"], "valid": [], "test": []}', "TypeError: 'train' is [0.5, 'a']"),
     ('{"train": ["0.5"], "valid": [], "test": []}', "'train' = 0.5: '0.5' looks like a blend weight"),
 ])
 def test_bad_per_split_file_is_named(tmp_path, text, needle):

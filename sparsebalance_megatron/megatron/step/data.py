@@ -123,6 +123,9 @@ def split_blends(args) -> Optional[dict]:
                 given = json.load(f)
             lists = {s: given[s].split() if isinstance(given[s], str) else given[s]
                      for s in SPLITS}
+            for s, words in lists.items():
+                if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                    raise TypeError(f"{s!r} is {words!r}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise LaunchError(f"--per-split-data-args-path {file}: expected a JSON file with "
                               f"'train', 'valid' and 'test', each a list of paths or of weight/"
