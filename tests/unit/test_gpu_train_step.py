@@ -353,3 +353,25 @@ def test_dst_with_device_timings_composes_the_measured_units_on_a_tiny_model(tmp
     assert set(got["targets"]) == {"dst_gain_within_2_points_of_predicted",
                                    "dst_never_below_static"}
     assert got["units_timed"] <= 3 * 2 * 2 * 2       # shared units timed once
+
+
+def test_a_profiled_stage_in_bf16_is_all_bf16_as_pretrain_wraps_it():
+    """On the device every profiled stage is bf16 (``build_stage``'s default there). Built with
+    bf16 parameters alone, the torch norms stay float32 and feed the next linear float32: the
+    H200's dst step failed so (2026-11-30). Wrapped in Float16Module, as get_model wraps it,
+    each kind of stage runs forward and backward, every parameter bf16."""
+    import torch
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.launch import profile
+    dg = _studies("dst_gpu")
+    s = dg.TINY_SHAPE
+    sb = SparseBalanceConfig(sparse_attention=True, block_size=s["block"],
+                             attention_backend="torch", dense_below_tokens="0")
+    profile.init_single_process(sb.seed)
+    shape = dg.model_shape(s)
+    for kind in ("first", "middle", "last"):
+        net, dev = profile.build_stage(shape, sb, kind, 1, bf16=True)
+        assert {p.dtype for p in net.parameters()} == {torch.bfloat16}
+        fwd, bwd = profile.time_microbatch(net, dev, kind, shape, [100, 156], 0.5, 1, 0)
+        assert fwd > 0 and bwd > 0

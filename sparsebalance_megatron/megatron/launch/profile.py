@@ -118,11 +118,19 @@ def _budget_of(model) -> BudgetContext:
     raise ValueError("the profiled model has no SparseCoreAttention layer")
 
 
-def build_stage(shape: ModelShape, sb: SparseBalanceConfig, kind: str, num_layers: int):
-    """A GPTModel holding one pipeline stage of ``kind`` with ``num_layers`` layers."""
+def build_stage(shape: ModelShape, sb: SparseBalanceConfig, kind: str, num_layers: int,
+                bf16: bool | None = None):
+    """A GPTModel holding one pipeline stage of ``kind`` with ``num_layers`` layers. In bf16 (on
+    CUDA unless ``bf16`` says otherwise) it is wrapped in Megatron's Float16Module, as
+    pretrain()'s get_model wraps it: every parameter bf16 (the norms' too, which the torch norm
+    otherwise keeps in float32 and so feeds the next linear float32), a first stage's inputs and
+    a last stage's output cast."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    bf16 = torch.cuda.is_available() if bf16 is None else bf16
 
     cfg = TransformerConfig(
         num_layers=num_layers, hidden_size=shape.hidden_size,
@@ -133,13 +141,14 @@ def build_stage(shape: ModelShape, sb: SparseBalanceConfig, kind: str, num_layer
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_model_parallel_size=1, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, batch_p2p_sync=False,
-        bf16=torch.cuda.is_available(),
-        params_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         **_recompute_config(shape.recompute_granularity))
     model = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(sb, shape.transformer_impl),
                      vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                      pre_process=kind in ("first", "only"), post_process=kind in ("last", "only"),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    if bf16:
+        model = Float16Module(cfg, model)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return model.to(dev), dev
 
