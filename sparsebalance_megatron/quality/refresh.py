@@ -86,7 +86,8 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
                    lengths=None, tokens=None) -> np.ndarray:
     """[G] each group's scale (the module's rule) from ``measured[g]``, the loss change (nats
     per token) of group g at ``tested[g]`` against uniform ``d0``, with its ``stderr`` (None:
-    no shrinkage); ``lengths`` and ``tokens``: the measured documents'."""
+    no shrinkage; inf: unknown, the group's scale stays); ``lengths`` and ``tokens``: the
+    measured documents'."""
     g = len(cost.groups)
     if not (isinstance(d0, numbers.Real) and not isinstance(d0, bool) and 0.0 < d0 <= 1.0):
         raise QualityCostError(f"d0={d0!r}: expected a number in (0, 1]")
@@ -95,7 +96,7 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
         raise QualityCostError(f"tested densities {t.tolist()}: expected numbers in (0, d0 = "
                                f"{d0:g})")
     m = _checked_vector(measured, g, "measured changes")
-    se = np.zeros(g) if stderr is None else _checked_vector(stderr, g, "stderr")
+    se = np.zeros(g) if stderr is None else _checked_vector(stderr, g, "stderr", unknown=True)
     if np.any(se < 0):
         raise QualityCostError(f"stderr {se.tolist()}: expected numbers >= 0")
     p = predicted_changes(cost, d0, t, lengths, tokens)
@@ -113,7 +114,7 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
 
 def shrink_weight(measured, stderr) -> np.ndarray:
     """How far a group's scale moves from 1 (the exponent of ``refresh_scales``): m^2 / (m^2 +
-    se^2) of its measured change m and standard error se, 0 where both are 0."""
+    se^2) of its measured change m and standard error se, 0 where both are 0 or se is inf."""
     m, se = np.asarray(measured, dtype=np.float64), np.asarray(stderr, dtype=np.float64)
     return np.where(m * m + se * se > 0, m * m / np.maximum(m * m + se * se, 1e-300), 0.0)
 
@@ -127,7 +128,8 @@ def scaled_quality_cost(path: Optional[str], scales: Optional[tuple]) -> Quality
     return base if scales is None else scaled(base, scales)
 
 
-def _checked_vector(values, g: int, what: str) -> np.ndarray:
+def _checked_vector(values, g: int, what: str, unknown: bool = False) -> np.ndarray:
+    """``values`` as [g] finite numbers (``unknown``: +inf allowed too, an unmeasured error)."""
     try:
         v = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):
@@ -136,8 +138,9 @@ def _checked_vector(values, g: int, what: str) -> np.ndarray:
     if v.shape != (g,):
         raise QualityCostError(f"{what} {np.asarray(values).tolist()}: expected {g} numbers, "
                                f"one per depth group")
-    if not np.all(np.isfinite(v)):
-        raise QualityCostError(f"{what} {v.tolist()}: expected finite numbers")
+    if not np.all(np.isfinite(v) | (unknown & np.isposinf(v))):
+        raise QualityCostError(f"{what} {v.tolist()}: expected finite numbers"
+                               + (" or inf (unknown)" if unknown else ""))
     return v
 
 

@@ -11,11 +11,12 @@ the scales its checkpoint holds."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, run_entry
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, run_entry, stdlib_texts
 
 pytestmark = pytest.mark.distributed
 
@@ -31,8 +32,12 @@ def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_ta
               "--global-batch-size", "4", "--train-iters", "5",
               "--sb-latency-table", analytic_latency_table_pp2, "--sb-latency-table-force"]
     # the refreshed run's held-out documents are a data set of their own (Megatron's per-split
-    # paths), so it trains on the documents of the run without a valid split
-    refresh = [*common, "--train-data-path", small_jsonl, "--valid-data-path", small_jsonl,
+    # paths), so it trains on the documents of the run without a valid split; short ones, so
+    # its held-out micro-batch holds several and the changes have a standard error (one
+    # document's is unknown and moves no scale)
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps({"text": t[:70]}) + "\n" for t in stdlib_texts(24)))
+    refresh = [*common, "--train-data-path", small_jsonl, "--valid-data-path", valid,
                "--sb-quality-refresh-interval", "2"]
     proc = run_entry(2, [*refresh, "--sb-metrics-file", tmp_path / "refresh.jsonl",
                          "--save", tmp_path / "ckpt", "--save-interval", "3"], cwd=tmp_path)

@@ -62,6 +62,10 @@ def test_a_scale_is_clamped_and_noise_shrinks_it_towards_one():
     assert sharp == pytest.approx([2.0, 2.0])
     assert np.all(1.0 < noisy) and np.all(noisy < 2.0)
     assert noisy == pytest.approx(2.0 ** 0.5)      # signal to noise 1: half the log-ratio
+    # an unknown error (one document measured: no spread) moves no scale, however large the
+    # change; the other group moves as it would alone
+    unknown = refresh_scales(cost, 0.5, tested, 2 * p, stderr=[float("inf"), 0.0])
+    assert unknown == pytest.approx([1.0, 2.0])
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -71,6 +75,9 @@ def test_a_scale_is_clamped_and_noise_shrinks_it_towards_one():
     (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, float("nan")]), "finite"),
     (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01, 0.01]), "measured changes"),
     (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], stderr=[-1, 0]), "stderr"),
+    (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], stderr=[float("-inf"), 0]),
+     "finite numbers or inf"),
+    (dict(d0=0.5, tested=[0.45, 0.45], measured=[float("inf"), 0.01]), "finite numbers"),
     (dict(d0=1.5, tested=[0.45, 0.45], measured=[0.01, 0.01]), "d0=1.5"),
     (dict(d0=0.5, tested=[0.45, 0.45], measured=["a", 0.01]), "measured changes"),
     (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], lengths=[100.0, -1.0]),

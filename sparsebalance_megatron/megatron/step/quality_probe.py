@@ -202,8 +202,10 @@ def pass_stats(per_pass: list) -> np.ndarray:
 def changes(stats: np.ndarray, groups: int) -> tuple:
     """(per-token loss change [G], its standard error [G], the held-out loss at d0) from the
     summed statistics (``pass_stats``): a ratio of sums over documents, its error the ratio
-    estimator's, sqrt(n / (n - 1) sum over documents of (diff_d - c t_d)^2) / tokens (0 with
-    one document: no spread to measure, the change is taken as it is)."""
+    estimator's, sqrt(n / (n - 1) sum over documents of (diff_d - c t_d)^2) / tokens (inf with
+    one document: no spread to measure, so nothing is known of the change's error and it moves
+    no scale; one document's change taken as it is swung the scales 0.25-0.96 between refreshes
+    of a continued-training run)."""
     tokens, n, t2, first = stats[:HEAD]
     tokens = max(tokens, 1.0)
     change, se = np.zeros(groups), np.zeros(groups)
@@ -212,7 +214,7 @@ def changes(stats: np.ndarray, groups: int) -> tuple:
         c = d / tokens
         resid = max(d2 - 2.0 * c * dt + c * c * t2, 0.0)
         change[g] = c
-        se[g] = np.sqrt(resid * n / (n - 1.0)) / tokens if n >= 2 else 0.0
+        se[g] = np.sqrt(resid * n / (n - 1.0)) / tokens if n >= 2 else np.inf
     return change, se, first / tokens
 
 
