@@ -353,6 +353,7 @@ def test_dst_with_device_timings_composes_the_measured_units_on_a_tiny_model(tmp
     assert set(got["targets"]) == {"dst_gain_within_2_points_of_predicted",
                                    "dst_never_below_static"}
     assert got["units_timed"] <= 3 * 2 * 2 * 2       # shared units timed once
+    assert 0 < got["setup_s"] < got["seconds"]          # where the time went, beside it
 
 
 def test_a_profiled_stage_in_bf16_is_all_bf16_as_pretrain_wraps_it():
