@@ -265,7 +265,7 @@ def main(argv=None) -> int:
                    "dst_never_below_static": summ["measured_gain_vs_static"] >= 1.0}
     doc = {"shape": s, "backend": backend, "device": "cuda" if cuda else "cpu",
            "table": described, "d0": D0, "units_timed": len(timer.cache),
-           "setup_s": round(setup_s, 1),
+           "setup_s": setup_s,
            "p2p_s": lm.p2p_s,
            "dst_report": {k: report.get(k) for k in ("units_cut", "units_raised", "speedup",
                                                      "step_time_planned_s",
