@@ -231,16 +231,25 @@ class SparseBalanceConfig:
         0, "With --sb-dst-objective quality: every N iterations (0: never, the default) the "
         "quality model DST plans by follows the network being trained: every rank runs "
         "forward-only passes (Megatron's schedule, evaluation mode, no gradient) of a fixed "
-        "held-out micro-batch per DP rank from the valid split (--split's valid share, or "
+        "held-out batch per DP rank from the valid split (--split's valid share, or "
         "--valid-data-path), at uniform --sb-density and "
         "with each depth group of the model's layers in turn at 0.8x (where DST cuts to), and "
         "each group's curve is scaled by the measured loss change over the predicted one "
         "(clamped to [1/4, 4], "
         "shrunk by its standard error over the documents), so the plans drafted after it "
         "price cuts and raises as the network now pays them. Costs 1 + groups forward passes "
-        "of one micro-batch per refresh (the metrics' quality_refresh_s, part of "
-        "sb_overhead_s). Off by default: the shipped model was measured on a trained network, "
-        "and a network early in training is noisy to measure.")
+        "of --sb-quality-refresh-microbatches micro-batches per refresh (the metrics' "
+        "quality_refresh_s, part of sb_overhead_s). Off by default: the shipped model was "
+        "measured on a trained network, and a network early in training is noisy to measure.")
+    quality_refresh_microbatches: int = _f(
+        1, "With --sb-quality-refresh-interval: the held-out batch the refresh measures is the "
+        "valid split's first K micro-batches per DP rank (K rows of DP bins, packed as "
+        "Megatron's evaluation packs them; default 1). Costs K x (1 + groups) micro-batch "
+        "forward passes per refresh. The change's standard error is taken over the batch's "
+        "documents: a refresh whose batch holds one document in all (long documents, DP 1) "
+        "has no spread to measure and moves no scale, so give it more micro-batches (one "
+        "global batch's worth per DP rank measures what Megatron's evaluation reads in one "
+        "iteration).")
     exchange_rate: str = _f(
         "auto", "With --sb-dst-objective quality: what one percent of predicted step time is "
         "worth in predicted held-out loss (nats per token). A plan that cuts is adopted only "
@@ -600,6 +609,9 @@ class SparseBalanceConfig:
         ri = self.quality_refresh_interval
         if isinstance(ri, bool) or not isinstance(ri, int) or ri < 0:
             bad("quality_refresh_interval", ri, "an integer >= 0 (0: never)")
+        rk = self.quality_refresh_microbatches
+        if isinstance(rk, bool) or not isinstance(rk, int) or rk < 1:
+            bad("quality_refresh_microbatches", rk, "an integer >= 1")
         if self.exchange_rate != "auto" and self.exchange_rate_value is None:
             bad("exchange_rate", self.exchange_rate, "'auto' or a number of nats per token >= 0")
         pt = self.planner_timeout

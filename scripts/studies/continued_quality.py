@@ -27,7 +27,7 @@ ENV = dict(os.environ)
 ARMS = {"static": ["--sb-sparse-attention"], "sparse_balance": ["--sparse-balance"],
         "sab": ["--sb-sparse-attention", "--sb-batching"],
         "matched": ["--sb-sparse-attention"], "control": ["--sb-sparse-attention"],
-        "refresh": ["--sparse-balance", "--sb-quality-refresh-interval"]}   # + --refresh-interval
+        "refresh": ["--sparse-balance"]}   # + its interval and micro-batches (arm_flags)
 DST_ARMS = ("sparse_balance", "refresh")
 METRICS = ("answer_nll", "heldout_loss")
 MARKERS = ("\x01", "\x03", "\x04")
@@ -92,6 +92,11 @@ def model_flags(args, profile: bool = False) -> list:
         "--attention-dropout", "0", "--hidden-dropout", "0"]]
 
 
+def data_parallel(args) -> int:
+    """The continued runs' DP size: two ranks without a pipeline, else one rank per stage."""
+    return 2 if args.pipeline == 1 else 1
+
+
 def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str, *,
               arm_flags=(), density=None, extra=(), valid=None) -> list:
     """The torchrun command of one run of ``args``' model; ``arm_flags``, ``density`` (default
@@ -119,7 +124,7 @@ def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str, *,
                   "--sb-latency-table-force"]
     if args.pipeline > 1:                       # one DP rank, each stage its own process
         flags += ["--pipeline-model-parallel-size", args.pipeline]
-    return [*torchrun(2 if args.pipeline == 1 else args.pipeline),
+    return [*torchrun(data_parallel(args) * args.pipeline),
             "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
 
 
@@ -309,7 +314,9 @@ def build_data(args, out: str) -> tuple:
 
 
 def arm_flags(args, arm: str) -> list:
-    return ARMS[arm] + ([str(args.refresh_interval)] if arm == "refresh" else [])
+    return ARMS[arm] + ([] if arm != "refresh" else [
+        "--sb-quality-refresh-interval", str(args.refresh_interval),
+        "--sb-quality-refresh-microbatches", str(args.refresh_microbatches)])
 
 
 def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
@@ -482,6 +489,11 @@ def parse_args(argv=None):
     ap.add_argument("--refresh-interval", type=int, default=None, metavar="N",
                     help="the refresh arm's --sb-quality-refresh-interval (default: --steps / "
                          "6, five refreshes)")
+    ap.add_argument("--refresh-microbatches", type=int, default=None, metavar="R",
+                    help="the refresh arm's --sb-quality-refresh-microbatches: held-out "
+                         "micro-batches per DP rank each refresh measures (default: the global "
+                         "batch's per DP rank, one global batch, as Megatron's evaluation reads "
+                         "one iteration; 8 at global batch 8 and DP 1)")
     ap.add_argument("--needles", type=int, default=3, choices=(1, 2, 3))
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-layers", type=int, default=2)
@@ -530,6 +542,11 @@ def parse_args(argv=None):
     if "refresh" in args.arms and not 1 <= args.refresh_interval < args.steps:
         ap.error(f"--refresh-interval {args.refresh_interval}: expected 1 <= N < --steps "
                  f"{args.steps} (a refresh at the last step or later plans nothing)")
+    if args.refresh_microbatches is None:         # micro-batch 1: one per sample
+        args.refresh_microbatches = max(1, args.global_batch_size // data_parallel(args))
+    if args.refresh_microbatches < 1:
+        ap.error(f"--refresh-microbatches {args.refresh_microbatches}: expected a count of "
+                 f"micro-batches >= 1")
     return args
 
 
@@ -747,7 +764,8 @@ def main(argv=None) -> int:
                 walls)
             train[(arm, s)] = read_metrics(dirs[(arm, s)])
     for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
-        train_arm(arm, arm)
+        # the refresh arm named by its held-out micro-batches: a run of another count is not kept
+        train_arm(arm, arm if arm != "refresh" else f"refresh{args.refresh_microbatches}mb")
     if "sparse_balance" in args.arms and "matched" in args.arms:
         target = sum(train_summary(train[("sparse_balance", s)], args.block_size,
                                       args.density)["doc_kept_density"]

@@ -20,9 +20,10 @@ time (issue 44): every speedup a study states is net of it, at the flags its row
   density weights (the planner_cost study's last part; the log line and metrics writers are not
   timed).
 - **quality refresh** (``--sb-quality-refresh-interval N``, DST's quality objective;
-  ``refresh_s``): 1 + groups forward passes of one held-out micro-batch through the pipeline
-  every N steps, each priced as the step's mean micro-batch at d0 crossing every (virtual) stage
-  forward (the DP ranks run theirs at once), spread over the N steps; the simulated plans do
+  ``refresh_s``): K x (1 + groups) forward passes of a held-out micro-batch through the pipeline
+  every N steps (K: ``--sb-quality-refresh-microbatches``), each priced as the step's mean
+  micro-batch at d0 crossing every (virtual) stage forward (the DP ranks run theirs at once),
+  spread over the N steps; the simulated plans do
   not follow the refreshed model (the study's quality model is the launch-time one).
 
 Costs come from the project's measurements, read from ``docs/results`` JSONs by name, so a
@@ -378,12 +379,14 @@ class PluginCost:
                                 f"{note}); {self.control.source} (control plane)")
 
 
-def refresh_s(costs, d0: float, interval: int, groups: int) -> float:
-    """--sb-quality-refresh-interval's share of a step (seconds; 0 when ``interval`` is 0): 1 +
-    ``groups`` forward passes of a micro-batch through every stage of ``costs`` (a
-    ``UnitCosts``: the step's mean unit's forward seconds at ``d0``, summed over the stages)
-    every ``interval`` steps."""
+def refresh_s(costs, d0: float, interval: int, groups: int, microbatches: int = 1) -> float:
+    """--sb-quality-refresh-interval's share of a step (seconds; 0 when ``interval`` is 0):
+    ``microbatches`` x (1 + ``groups``) forward passes of a micro-batch through every stage of
+    ``costs`` (a ``UnitCosts``: the step's mean unit's forward seconds at ``d0``, summed over
+    the stages) every ``interval`` steps (``microbatches``: --sb-quality-refresh-microbatches;
+    the passes are priced one after another, the schedule's forward-only overlap of stages not
+    credited)."""
     if not interval:
         return 0.0
     one = float(costs.fwd_s[..., costs.index_of(d0)].sum(axis=2).mean())   # [dp, m] -> mean
-    return (1 + int(groups)) * one / int(interval)
+    return int(microbatches) * (1 + int(groups)) * one / int(interval)

@@ -368,7 +368,7 @@ def _refresh_s(cfg: StudyConfig, costs, d0: float, quality) -> float:
 
     pol = cfg.policy()
     return refresh_s(costs, d0, pol.quality_refresh_interval if pol.dst_objective == "quality"
-                     else 0, len(quality.cost.groups))
+                     else 0, len(quality.cost.groups), pol.quality_refresh_microbatches)
 
 
 def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int, lm) -> None:

@@ -11,12 +11,11 @@ the scales its checkpoint holds."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, run_entry, stdlib_texts
+from tests.conftest import PLANNER_THREAD, TINY_MODEL, read_metrics, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -32,13 +31,11 @@ def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_ta
               "--global-batch-size", "4", "--train-iters", "5",
               "--sb-latency-table", analytic_latency_table_pp2, "--sb-latency-table-force"]
     # the refreshed run's held-out documents are a data set of their own (Megatron's per-split
-    # paths), so it trains on the documents of the run without a valid split; short ones, so
-    # its held-out micro-batch holds several and the changes have a standard error (one
-    # document's is unknown and moves no scale)
-    valid = tmp_path / "valid.jsonl"
-    valid.write_text("".join(json.dumps({"text": t[:70]}) + "\n" for t in stdlib_texts(24)))
-    refresh = [*common, "--train-data-path", small_jsonl, "--valid-data-path", valid,
-               "--sb-quality-refresh-interval", "2"]
+    # paths), so it trains on the documents of the run without a valid split: the same long
+    # documents, one per 256-token micro-batch, so the refresh measures two micro-batches and
+    # the changes have a standard error (one document's is unknown and moves no scale)
+    refresh = [*common, "--train-data-path", small_jsonl, "--valid-data-path", small_jsonl,
+               "--sb-quality-refresh-interval", "2", "--sb-quality-refresh-microbatches", "2"]
     proc = run_entry(2, [*refresh, "--sb-metrics-file", tmp_path / "refresh.jsonl",
                          "--save", tmp_path / "ckpt", "--save-interval", "3"], cwd=tmp_path)
     # the run without refresh plans on a thread (the same plans as the planner process): it is
@@ -48,6 +45,10 @@ def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_ta
     rows, plain = read_metrics(tmp_path / "refresh.jsonl"), read_metrics(tmp_path / "plain.jsonl")
     lines = [x for x in proc.stdout.splitlines() if "quality refresh at iteration" in x]
     assert [int(re.search(r"iteration (\d+):", x).group(1)) for x in lines] == [2, 4], lines
+    for line in lines:             # two micro-batches, two documents: the errors are known
+        se = [float(v) for v in re.search(r"\+- \[([^\]]*)\]", line).group(1).split(",")]
+        assert len(se) == 3 and all(0 < v < float("inf") for v in se), line
+        assert "document(s) in all" not in line, line
     refreshed = [r["step"] for r in rows if "quality_refresh_s" in r]
     assert refreshed == [2, 4]
     for r in rows:

@@ -45,7 +45,10 @@ def test_quick_pilot_then_main_run(tmp_path):
     # against the plain DST run
     refreshed = m["runs"]["refresh"]["1"]["train"]
     assert refreshed["quality_refreshes"] == [1] and refreshed["quality_refresh_s"] > 0
-    assert m["arms"]["refresh"]["flags"][-2:] == ["--sb-quality-refresh-interval", "1"]
+    # one global batch's held-out micro-batches: 8 at micro-batch 1, 4 per DP rank of 2
+    assert m["arms"]["refresh"]["flags"][-4:] == ["--sb-quality-refresh-interval", "1",
+                                                   "--sb-quality-refresh-microbatches", "4"]
+    assert m["config"]["refresh_microbatches"] == 4 and (out / "refresh4mb_s1" / "ckpt").exists()
     assert set(m["verdicts_refresh"]["at_d0"]) == {"answer_nll", "heldout_loss"}
     d_m = m["arms"]["matched"]["eval_density"]
     assert (out / f"matched{d_m:.4f}_s1" / "ckpt").exists()

@@ -166,8 +166,9 @@ def test_net_step_time_is_gross_plus_the_named_costs(tmp_path):
 
 
 def test_the_quality_refresh_is_charged_to_the_runs_that_plan_dst(tmp_path):
-    """--sb-quality-refresh-interval N: 1 + groups forward passes of a micro-batch through the
-    pipeline every N steps, charged to the DST runs only, on top of their other parts."""
+    """--sb-quality-refresh-interval N: K x (1 + groups) forward passes of a micro-batch
+    through the pipeline every N steps (K: --sb-quality-refresh-microbatches, default 1),
+    charged to the DST runs only, on top of their other parts."""
     from sparsebalance_megatron.policy.costs import UnitCosts
 
     fwd = np.zeros((2, 3, 2, 2))
@@ -176,6 +177,8 @@ def test_the_quality_refresh_is_charged_to_the_runs_that_plan_dst(tmp_path):
                       np.ones((2, 3, 2)))
     assert refresh_s(costs, 0.5, 4, 3) == pytest.approx(4 * 0.11 / 4)   # mean stage sum 0.11
     assert refresh_s(costs, 0.5, 0, 3) == 0.0
+    assert refresh_s(costs, 0.5, 4, 3, 5) == pytest.approx(5 * 4 * 0.11 / 4)
+    assert refresh_s(costs, 0.5, 0, 3, 5) == 0.0
     cost = _cost(tmp_path, planner=_scaled(PLANNER, 1e-3))
     plain = _study(cost, planner="inline")
     fresh = _study(cost, planner="inline", quality_refresh_interval=2)
@@ -187,6 +190,15 @@ def test_the_quality_refresh_is_charged_to_the_runs_that_plan_dst(tmp_path):
         assert b["step_time_s"] == a["step_time_s"]          # the plans are the same
     for name in ("static", "dense_sab", "dense"):
         assert fresh[name]["plugin_cost_ms"] == plain[name]["plugin_cost_ms"]
+    # three held-out micro-batches per refresh: three times the passes, nothing else changes
+    more = _study(cost, planner="inline", quality_refresh_interval=2,
+                  quality_refresh_microbatches=3)
+    for name in ("sab_dst", "dst"):
+        r, r3 = (x[name]["plugin_cost_parts_ms"] for x in (fresh, more))
+        assert r3["quality_refresh"] == pytest.approx(3 * r["quality_refresh"])
+        assert more[name]["plugin_cost_ms"] == pytest.approx(
+            fresh[name]["plugin_cost_ms"] + 2 * r["quality_refresh"])
+        assert more[name]["step_time_s"] == fresh[name]["step_time_s"]
 
 
 def test_do_no_harm_compares_net_times(tmp_path):

@@ -238,8 +238,12 @@ def test_the_refresh_arm_is_read_against_the_plain_dst_run_at_its_predicted_step
     step matched on the refreshed run's predicted step over the plain run's (not static's)."""
     args = cq.parse_args(["--out", "x", "--pipeline", "3", "--num-layers", "3",
                           "--margin-from", "p.json"])
-    assert args.refresh_interval == 25 and cq.arm_flags(args, "refresh")[-2:] == [
-        "--sb-quality-refresh-interval", "25"]
+    # one global batch's held-out micro-batches (8 at global batch 8, DP 1), several documents
+    assert args.refresh_interval == 25 and cq.arm_flags(args, "refresh")[-4:] == [
+        "--sb-quality-refresh-interval", "25", "--sb-quality-refresh-microbatches", "8"]
+    assert cq.parse_args(["--out", "x", "--margin-from", "p.json"]).refresh_microbatches == 4
+    assert cq.parse_args(["--out", "x", "--margin-from", "p.json", "--refresh-microbatches",
+                          "3"]).refresh_microbatches == 3
     seeds = ["1", "2", "3", "4"]
 
     def run(loss, ratio=None, prof=None):
@@ -272,6 +276,10 @@ def test_the_refresh_arm_is_read_against_the_plain_dst_run_at_its_predicted_step
     with pytest.raises(SystemExit):
         cq.parse_args(["--out", "x", "--margin-from", "p.json", "--refresh-interval", "150"])
     assert "--refresh-interval 150: expected 1 <= N < --steps 150" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cq.parse_args(["--out", "x", "--margin-from", "p.json", "--refresh-microbatches", "0"])
+    assert "--refresh-microbatches 0: expected a count of micro-batches >= 1" in \
+        capsys.readouterr().err
 
 
 def test_the_trained_profile_read_at_d0s_work_keeps_its_shape_and_d0s_blocks():

@@ -89,8 +89,9 @@ def quality_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[
     """What the quality side of DST cannot serve. ``--sb-eval-density trained`` reads DST's
     plans (``step/eval_profile.py``). ``--sb-quality-refresh-interval``
     (``step/quality_probe.py``) refreshes the model DST's quality objective plans by; its
-    held-out micro-batch is one per DP rank on the plugin's data path, each document's loss
-    whole on one rank (no context-parallel split), run by the one-chunk schedules."""
+    held-out batch is K micro-batches per DP rank (``--sb-quality-refresh-microbatches``) on
+    the plugin's data path, each document's loss whole on one rank (no context-parallel
+    split), run by the one-chunk schedules."""
     out = [] if sb.eval_density != "trained" or sb.dst_enabled else [
         f"{flag_name('eval_density')} trained without DST (the profile is the densities DST's "
         f"plans give each stage: --sparse-balance or --sb-dst)"]
@@ -105,8 +106,8 @@ def quality_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[
         out.append(f"{what} with {flag_name('replay_plans')} (the plans are replayed, not made "
                    f"by the model it refreshes)")
     if not plugin_data:
-        out.append(f"{what} without the plugin's data path (its held-out micro-batch is "
-                   f"packed by it)")
+        out.append(f"{what} without the plugin's data path (its held-out micro-batches "
+                   f"are packed by it)")
     cp = getattr(args, "context_parallel_size", 1) or 1
     if cp > 1:
         out.append(f"{what} with --context-parallel-size {cp} (a document's loss is split over "
@@ -114,5 +115,5 @@ def quality_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if vp is not None and vp > 1:
         out.append(f"{what} with the interleaved schedule (virtual pipeline size {vp}): the "
-                   f"refresh runs one micro-batch through the one-chunk schedules")
+                   f"refresh runs its micro-batches through the one-chunk schedules")
     return out

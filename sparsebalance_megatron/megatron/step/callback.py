@@ -154,16 +154,17 @@ class SparseBalanceCallback(StepPlanning):
     def start_quality_probe(self, model: list, forward_step) -> None:
         """--sb-quality-refresh-interval: the refresh's measurer (``step/quality_probe.py``) of
         ``model`` (Megatron's chunks) through the run's ``forward_step``, its held-out
-        micro-batch built now (a valid split without documents is refused before training)."""
-        from .data import held_out_microbatch
+        micro-batches (--sb-quality-refresh-microbatches) built now (a valid split without
+        documents is refused before training)."""
+        from .data import held_out_batch
         from .quality_probe import QualityProbe
 
-        mb, lengths = held_out_microbatch(self.data, self.sb, capacity=self.capacity,
-                                          dp=self.dp, dp_rank=self.dp_rank, device=self.device,
-                                          mb_args=self.mb_args)
+        mbs, lengths = held_out_batch(self.data, self.sb, capacity=self.capacity, dp=self.dp,
+                                      dp_rank=self.dp_rank, device=self.device,
+                                      mb_args=self.mb_args)
         self.quality_probe = QualityProbe(self.sb, self.args, model=model,
                                           forward_step=forward_step, budget=self.budget,
-                                          exchange=self.exchange, held_out=mb, lengths=lengths,
+                                          exchange=self.exchange, held_out=mbs, lengths=lengths,
                                           pp_rank=self.pp_rank)
 
     # --- Megatron hooks ----------------------------------------------------------------------

@@ -337,12 +337,12 @@ class EvalIterator:
                                  self.device, **self.mb_args)
 
 
-def held_out_microbatch(data, sb, *, capacity: int, dp: int, dp_rank: int, device,
-                        mb_args: dict) -> tuple:
-    """(this DP rank's micro-batch, every DP rank's documents' lengths [n]) of the valid
-    split's first ``dp`` bins, packed as ``EvalIterator`` packs them: the quality refresh's
-    fixed held-out batch (``step/quality_probe.py``). ``LaunchError`` where the split holds no
-    documents."""
+def held_out_batch(data, sb, *, capacity: int, dp: int, dp_rank: int, device,
+                   mb_args: dict) -> tuple:
+    """(this DP rank's micro-batches [K], every DP rank's documents' lengths [n] over all K
+    rows) of the valid split's first K = ``--sb-quality-refresh-microbatches`` rows of ``dp``
+    bins, each row packed as ``EvalIterator`` packs it: the quality refresh's fixed held-out
+    batch (``step/quality_probe.py``). ``LaunchError`` where the split holds no documents."""
     sampler = data.sampler("valid", capacity=capacity, seed=sb.seed,
                            long_sample_policy=sb.long_sample_policy,
                            pad_multiple=mb_args["pad_multiple"])
@@ -353,9 +353,16 @@ def held_out_microbatch(data, sb, *, capacity: int, dp: int, dp_rank: int, devic
                           f"--valid-data-path)")
     it = EvalIterator(sampler, data.corpus, capacity=capacity, dp=dp, dp_rank=dp_rank,
                       device=device, mb_args=mb_args)
-    rows = it.next_rows()
-    lengths = np.array([e - s for row in rows for _, s, e in row[0]], dtype=np.float64)
-    return it.inputs(rows), lengths
+    k = sb.quality_refresh_microbatches
+    rows = [it.next_rows() for _ in range(k)]
+    segments = [tuple(seg) for r in rows for ranks in r for seg in ranks[0]]
+    if len(set(segments)) < len(segments):       # the split re-read: documents counted twice
+        raise LaunchError(f"{flag_name('quality_refresh_microbatches')} {k}: the valid split's "
+                          f"documents fill fewer than {k} rows of {dp} micro-batches, so the "
+                          f"refresh would measure some twice (give fewer micro-batches, or a "
+                          f"larger valid split)")
+    lengths = np.array([e - s for _, s, e in segments], dtype=np.float64)
+    return [it.inputs(r) for r in rows], lengths
 
 
 def plugin_datasets(cb, data, sb, args, vp_stage):

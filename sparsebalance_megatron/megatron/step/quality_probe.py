@@ -1,22 +1,24 @@
 """The quality model follows the network in training (``--sb-quality-refresh-interval N``).
 
 Every N-th iteration (not the last: no plan would read it), at the step's end, before the next
-step's draft, every rank runs forward-only passes of a fixed held-out micro-batch per DP rank
-through Megatron's own schedule (``get_forward_backward_func()`` with ``forward_only=True``,
-models in evaluation mode, no gradient, Megatron's timers and result validation off: as its
+step's draft, every rank runs forward-only passes of a fixed held-out batch of K micro-batches
+per DP rank (``--sb-quality-refresh-microbatches K``) through Megatron's own schedule
+(``get_forward_backward_func()`` with ``forward_only=True`` and ``num_microbatches=K``, models
+in evaluation mode, no gradient, Megatron's timers and result validation off: as its
 ``evaluate()`` runs them): once at uniform d0 and once per depth group of the quality model
 with that group's layers at ``quality.refresh.probe_density(d0)`` (the attention reads them as
-the budget context's per-layer densities: the micro-batch is outside any plan). The last
-pipeline stage sums each document's loss per pass; the sums travel to the other stages (a
+the budget context's per-layer densities: the batch is outside any plan), K x (1 + groups)
+micro-batch forwards in all. The last pipeline stage sums each document's loss per pass; the sums travel to the other stages (a
 broadcast over the pipeline group) and over the DP group (an all-reduce), so every rank holds
 the same per-group loss change and its standard error over the documents, and computes the
 same scales (``quality.refresh.refresh_scales``, relative to the launch-time model, the
 product of every refresh's). The drafts made after it plan with them (``Drafter``'s
 ``quality_scales``, sent to the planner process with each request).
 
-The held-out micro-batch is the valid split's first bins, packed as Megatron's evaluation packs
-them (``data.EvalIterator``); the same every refresh, so refreshes compare the network with
-itself. The refresh's wall seconds count in the step's plugin overhead and are reported as the
+The held-out batch is the valid split's first K rows of DP bins, each packed as Megatron's
+evaluation packs it (``data.held_out_batch``); the same every refresh, so refreshes compare the
+network with itself. The change's standard error is over the batch's documents: a batch of one
+document has none (inf) and moves no scale, and its refresh's line says so and names the flag. The refresh's wall seconds count in the step's plugin overhead and are reported as the
 metrics' ``quality_refresh_s``. A measurement the policy refuses (the model predicts no change)
 costs the refresh, not the run: the scales stay as they were and one line says why.
 
@@ -27,13 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import time
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from ...config import flag_name
 from ...quality.refresh import MAX_SCALE
 from ..runtime import comm
 
@@ -47,12 +49,13 @@ class QualityProbe:
     (collective: every rank of the job, in the same iterations)."""
 
     def __init__(self, sb, args, *, model: list, forward_step: Callable, budget, exchange,
-                 held_out: dict, lengths: np.ndarray, pp_rank: int):
+                 held_out: list, lengths: np.ndarray, pp_rank: int):
         from ...quality.cost import load_quality_cost
         from ...quality.refresh import group_of_layer
 
         self.sb, self.args, self.model, self.forward_step = sb, args, model, forward_step
-        self.budget, self.exchange, self.held_out = budget, exchange, held_out
+        self.budget, self.exchange = budget, exchange
+        self.held_out = list(held_out)          # this DP rank's K micro-batches
         self.lengths = np.asarray(lengths, dtype=np.float64)   # the whole batch's documents
         self.last = pp_rank == exchange.sizes[1] - 1
         self.base = load_quality_cost(sb.quality_cost)
@@ -76,6 +79,7 @@ class QualityProbe:
         stats = self._measure([None] + [{n + 1: tested for n, k in enumerate(self.groups)
                                          if k == grp} for grp in range(g)])
         change, se, base_loss = changes(stats, g)
+        documents = int(stats[1])
         current = self.base if self.scales is None else scaled(self.base, self.scales)
         line = f"quality refresh at iteration {iteration + 1}: "
         try:
@@ -87,6 +91,10 @@ class QualityProbe:
             said = f"group scales {_fmt(self.scales)}"
         except QualityCostError as e:             # the same on every rank: the same inputs
             said = f"not applied ({e}); group scales stay {_fmt(self.scales or (1.0,) * g)}"
+        if documents < 2:                         # no spread: the error is inf, nothing moved
+            said += (f" (the held-out batch holds {documents} document(s) in all: no spread to "
+                     f"measure the change's error by, so no scale moves; give "
+                     f"{flag_name('quality_refresh_microbatches')} more micro-batches)")
         self._check_agreed(iteration)
         cost = time.perf_counter() - t0
         comm.say(f"{line}{said}; measured loss change {_fmt(change)} +- {_fmt(se)} nats/token "
@@ -123,8 +131,9 @@ class QualityProbe:
         return comm.all_reduce_tensor(t, self.exchange.groups.data, "sum").numpy()
 
     def _pass(self, layer_densities: Optional[dict]) -> np.ndarray:
-        """One forward-only pass of the held-out micro-batch under ``layer_densities``:
-        [n_docs, 2] (loss sum, loss tokens) per document on the last stage, else empty."""
+        """One forward-only pass of the held-out batch (its K micro-batches) under
+        ``layer_densities``: [n_docs, 2] (loss sum, loss tokens) per document of every
+        micro-batch in order on the last stage, else empty."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         docs: list = []
@@ -132,9 +141,9 @@ class QualityProbe:
         self.budget.set_layer_densities(layer_densities)
         try:
             get_forward_backward_func()(
-                forward_step_func=functools.partial(_probe_step, self.forward_step, docs,
-                                                    self.held_out),
-                data_iterator=itertools.repeat(self.held_out), model=self.model, num_microbatches=1,
+                forward_step_func=functools.partial(_probe_step, self.forward_step, docs),
+                data_iterator=iter(self.held_out), model=self.model,
+                num_microbatches=len(self.held_out),
                 seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
                 decoder_seq_length=self.args.decoder_seq_length, forward_only=True)
         finally:
@@ -142,11 +151,12 @@ class QualityProbe:
         return np.concatenate(docs) if docs else np.zeros((0, 2))
 
 
-def _probe_step(forward_step: Callable, docs: list, mb: dict, data_iterator, model, *args,
-                **kw):
-    """The run's forward step, its loss function also keeping each document's (loss sum,
-    tokens) of the pass (``model.loss.document_sums``)."""
-    output, loss = forward_step(data_iterator, model)
+def _probe_step(forward_step: Callable, docs: list, data_iterator, model, *args, **kw):
+    """The run's forward step on the batch's next micro-batch (drawn here: the loss function
+    reads its documents), its loss function also keeping each document's (loss sum, tokens)
+    of the pass (``model.loss.document_sums``)."""
+    mb = next(data_iterator)
+    output, loss = forward_step(iter([mb]), model)
 
     def with_docs(output_tensor):
         from ..model.loss import document_sums
