@@ -1,26 +1,27 @@
 """The quality model follows the network in training (``--sb-quality-refresh-interval N``).
 
 Every N-th iteration (not the last: no plan would read it), at the step's end, before the next
-step's draft, every rank runs forward-only passes of a fixed held-out batch of K micro-batches
-per DP rank (``--sb-quality-refresh-microbatches K``) through Megatron's own schedule
-(``get_forward_backward_func()`` with ``forward_only=True`` and ``num_microbatches=K``, models
-in evaluation mode, no gradient, Megatron's timers and result validation off: as its
-``evaluate()`` runs them): once at uniform d0 and once per depth group of the quality model
-with that group's layers at ``quality.refresh.probe_density(d0)`` (the attention reads them as
-the budget context's per-layer densities: the batch is outside any plan), K x (1 + groups)
-micro-batch forwards in all. The last pipeline stage sums each document's loss per pass; the sums travel to the other stages (a
-broadcast over the pipeline group) and over the DP group (an all-reduce), so every rank holds
-the same per-group loss change and its standard error over the documents, and computes the
-same scales (``quality.refresh.refresh_scales``, relative to the launch-time model, the
-product of every refresh's). The drafts made after it plan with them (``Drafter``'s
-``quality_scales``, sent to the planner process with each request).
+step's draft, every rank runs forward-only passes of a fixed held-out batch of K micro-batches per
+DP rank (``--sb-quality-refresh-microbatches K``) through Megatron's own schedule
+(``get_forward_backward_func()`` with ``forward_only=True`` and ``num_microbatches=K``, models in
+evaluation mode, no gradient, Megatron's timers and result validation off: as its ``evaluate()``
+runs them): once at uniform d0 and once per depth group of the quality model with that group's
+layers at ``quality.refresh.probe_density(d0)`` (the attention reads them as the budget context's
+per-layer densities: the batch is outside any plan), K x (1 + groups) micro-batch forwards in all.
+The last pipeline stage sums each document's loss per pass; the sums travel to the other stages (a
+broadcast over the pipeline group) and over the DP group (an all-reduce), so every rank holds the
+same per-group loss change and its standard error over the documents, and computes the same scales
+(``quality.refresh.refresh_scales``, relative to the launch-time model, the product of every
+refresh's). The drafts made after it plan with them (``Drafter``'s ``quality_scales``, sent to the
+planner process with each request).
 
 The held-out batch is the valid split's first K rows of DP bins, each packed as Megatron's
 evaluation packs it (``data.held_out_batch``); the same every refresh, so refreshes compare the
 network with itself. The change's standard error is over the batch's documents: a batch of one
-document has none (inf) and moves no scale, and its refresh's line says so and names the flag. The refresh's wall seconds count in the step's plugin overhead and are reported as the
-metrics' ``quality_refresh_s``. A measurement the policy refuses (the model predicts no change)
-costs the refresh, not the run: the scales stay as they were and one line says why.
+document has none (inf) and moves no scale, and its refresh's line says so and names the flag. The
+refresh's wall seconds count in the step's plugin overhead and are reported as the metrics'
+``quality_refresh_s``. A measurement the policy refuses (the model predicts no change) costs the
+refresh, not the run: the scales stay as they were and one line says why.
 
 Imports megatron (its schedule) only inside the refresh; torch.distributed only through comm.
 """
