@@ -94,11 +94,6 @@ PLAN: Tuple[Call, ...] = (
               "kernels from a trace: FA4's side passes, our selection and lists, copies), then "
               "fa4 checked against float64 and its kernel table at 32K and 16K, one document "
               "and a packed micro-batch: the price per call, token and tile, each pass apart"),
-    Call("dst", ("dst",), 170, 160, carry=(".whl",),
-         what="DST with GPU timings (scripts/bench.py dst_gpu: PP 4 x DP 4 x 4 micro-batches "
-              "of 32K, the units timed with CUDA events, composed by the simulator: DST, "
-              "static, dense + SAB); its own call: at the end of e2e's on 2026-11-30 it timed "
-              "25 of about 190 units in its 75 s and composed no step"),
     Call("e2e", ("train",), 400, 390, carry=(".whl",),
          what="pretrain() of the full-depth Qwen2.5-0.5B (24 layers) on documents of 16K+ "
               "tokens: dense + SAB and --sparse-balance d0 0.25 / 0.5 at 32K, dense + SAB and "
@@ -107,6 +102,13 @@ PLAN: Tuple[Call, ...] = (
               "summarised kernel by kernel, each step beside its bound (per step, and on the "
               "profiled step as the cross-check); then, while time lasts, d0 0.5 at 64K and "
               "whole files"),
+    Call("dst", ("dst",), 170, 160, carry=(".whl",),
+         what="DST with GPU timings (scripts/bench.py dst_gpu: PP 4 x DP 4 x 4 micro-batches "
+              "of 32K, the units timed with CUDA events, composed by the simulator: DST, "
+              "static, dense + SAB); its own call after e2e, whose runs leave FA4's compiled "
+              "kernels on disk (the first sparse run's first step took 71.6 s on a bare "
+              "machine): at the end of e2e's call on 2026-11-30 it had 75 s, timed 25 of about "
+              "190 units and composed no step"),
 )
 
 PLANS = {"issue74": PLAN, "kernels": KERNEL_CALLS}
