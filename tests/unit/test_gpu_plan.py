@@ -228,12 +228,13 @@ def test_the_kernel_calls_time_two_lengths_for_the_simulators_price(monkeypatch,
 def test_a_step_runs_on_its_own_limits_floor_and_not_below(monkeypatch, tmp_path):
     """A step starts with at least min(30 s, its limit) left: the stage call's env step (limit
     20 s) on its 25 s budget runs, dst (limit 150 s) on the same 25 s does not. A flat 30 s
-    floor skipped the env step on the H200 on 2026-11-30."""
-    import time
+    floor skipped the env step on the H200 on 2026-11-30. A fixed clock: no machine's load
+    moves the time left."""
     gc = _script("gpu_check")
     ran = []
+    monkeypatch.setattr(gc, "time", types.SimpleNamespace(time=lambda: 1000.0))
     monkeypatch.setattr(gc, "step_env", lambda out: ran.append("env") or {"ok": True})
     monkeypatch.setattr(gc, "step_dst", lambda *a: ran.append("dst") or {"ok": True})
-    res = gc.run_steps(["env", "dst"], str(tmp_path), time.time() + 25)
+    res = gc.run_steps(["env", "dst"], str(tmp_path), 1000.0 + 25)
     assert ran == ["env"] and res["env"]["ok"]
     assert res["dst"] == {"ok": False, "skipped": "out of time"}
