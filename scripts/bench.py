@@ -44,7 +44,8 @@ STUDIES = {
     "inference_quality": "SmolLM2-135M under DST's plans vs uniform at equal time [QUALITY]",
 }
 # what the studies share (modules of scripts/studies/ that are not studies)
-SHARED = ("common", "device", "drafts", "gpu_trace", "kernels", "slowdown", "smollm2")
+SHARED = ("common", "continued_verdicts", "device", "drafts", "gpu_trace", "kernels", "slowdown",
+          "smollm2")
 
 
 def usage() -> str:

@@ -18,6 +18,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 from studies import continued_quality as cq  # noqa: E402
+from studies import continued_verdicts as cv  # noqa: E402
 from studies import inference_quality as iq  # noqa: E402
 
 SMOLLM2 = SimpleNamespace(num_layers=30, hidden_size=576, ffn_hidden_size=1536,
@@ -86,7 +87,7 @@ def test_a_margin_fixed_in_another_setting_is_refused(tmp_path):
     cargs = cq.parse_args(["--pilot", "--out", str(tmp_path)])
     cpilot.write_text(json.dumps({"config": vars(cargs), "margin": {"answer_nll": 0.01},
                                   "pairs": {"control-static": {k: {"mean": 0.02}
-                                                               for k in cq.METRICS}}}))
+                                                               for k in cv.METRICS}}}))
     main = cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path)])
     assert cq.read_margin(main)["margin_source"]["seeds"] == [101, 102, 103]
     assert main.seeds == list(range(1, 11))
@@ -219,7 +220,7 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
             "sparse_balance": {s: run(1.99 + 0.01 * i - 0.0005 * (i % 2), r, {"0.61": {
                 "answer_nll": 1.0, "heldout_loss": 9.0, "token_accuracy": 0.5, "exact": 0.1}})
                 for (i, s), r in zip(enumerate(seeds), (1.0, 0.998, 1.001, 1.0))}}
-    got = cq.readings("verdicts_equal_time", seeds, runs, args, {"heldout_loss": 0.01})
+    got = cv.readings("verdicts_equal_time", seeds, runs, args, {"heldout_loss": 0.01})
     loss = got["heldout_loss"]
     assert loss["better"]["verdict"] == "better"
     assert loss["better"]["mean"] == pytest.approx(-0.01 - 0.00025)
@@ -229,7 +230,7 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
     assert loss["non_inferior"]["density"]["matched"]
     assert "non_inferior" not in got["answer_nll"]                  # no margin for it
     runs["sparse_balance"]["3"]["train"]["predicted_step_vs_static"] = 1.02   # 2% slower
-    got = cq.readings("verdicts_equal_time", seeds, runs, args, {"heldout_loss": 0.01})
+    got = cv.readings("verdicts_equal_time", seeds, runs, args, {"heldout_loss": 0.01})
     assert got["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
 
 
@@ -260,7 +261,7 @@ def test_the_refresh_arm_is_read_against_the_plain_dst_run_at_its_predicted_step
                                for i, s in enumerate(seeds)},
             "refresh": {s: run(1.998 + 0.01 * i - 0.0002 * (i % 2), r, [0.62, 0.5, 0.38])
                         for (i, s), r in zip(enumerate(seeds), (0.95, 0.949, 0.952, 0.95))}}
-    got = cq.readings("verdicts_refresh", seeds, runs, args, {"heldout_loss": 0.01})
+    got = cv.readings("verdicts_refresh", seeds, runs, args, {"heldout_loss": 0.01})
     for name in ("at_d0", "as_trained_at_d0_work"):
         loss = got[name]["heldout_loss"]
         assert loss["better"]["verdict"] == "better"
@@ -269,10 +270,10 @@ def test_the_refresh_arm_is_read_against_the_plain_dst_run_at_its_predicted_step
         assert "over sparse_balance's" in loss["non_inferior"]["matched_on"]
         assert loss["predicted_step_vs_static"] == [0.95, 0.949, 0.952, 0.95]
     runs["refresh"]["3"]["train"]["predicted_step_vs_static"] = 0.97     # 2% slower than DST's
-    got = cq.readings("verdicts_refresh", seeds, runs, args, {"heldout_loss": 0.01})
+    got = cv.readings("verdicts_refresh", seeds, runs, args, {"heldout_loss": 0.01})
     assert got["at_d0"]["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
     del runs["refresh"]["2"]["equal_work_profile"]
-    assert set(cq.readings("verdicts_refresh", seeds, runs, args, {})) == {"at_d0"}
+    assert set(cv.readings("verdicts_refresh", seeds, runs, args, {})) == {"at_d0"}
     with pytest.raises(SystemExit):
         cq.parse_args(["--out", "x", "--margin-from", "p.json", "--refresh-interval", "150"])
     assert "--refresh-interval 150: expected 1 <= N < --steps 150" in capsys.readouterr().err
@@ -358,7 +359,7 @@ def test_the_as_trained_readings_compare_dsts_profile_and_dense_against_static()
                         for i, s in enumerate(seeds)},
             "sparse_balance": {s: run(0.5, i, 1.995 + 0.01 * i - 0.0003 * (i % 2))
                                for i, s in enumerate(seeds)}}
-    got = cq.readings("verdicts_as_trained", seeds, runs, args, {"heldout_loss": 0.01})
+    got = cv.readings("verdicts_as_trained", seeds, runs, args, {"heldout_loss": 0.01})
     prof_loss = got["trained_profile_at_d0_work"]["heldout_loss"]
     assert prof_loss["better"]["verdict"] == "better"
     assert prof_loss["better"]["mean"] == pytest.approx(-0.005 - 0.00015)
@@ -372,12 +373,12 @@ def test_the_as_trained_readings_compare_dsts_profile_and_dense_against_static()
     for i, s in enumerate(seeds):      # static read at its seed's DST profile, as main records
         runs["static"][s]["equal_work_profile"] = prof
         runs["static"][s]["eval"][cq.reading_key(prof)] = ev(1.996 + 0.01 * i, 0.502)
-    same = cq.readings("verdicts_as_trained", seeds, runs, args,
+    same = cv.readings("verdicts_as_trained", seeds, runs, args,
                        {"heldout_loss": 0.01})["both_at_dsts_profile"]
     assert same["heldout_loss"]["better"]["mean"] == pytest.approx(-0.001 - 0.00015)
     assert same["heldout_loss"]["non_inferior"]["density"]["gaps"] == pytest.approx([0] * 4)
     del runs["sparse_balance"]["2"]["equal_work_profile"]          # a run without the readings
-    assert set(cq.readings("verdicts_as_trained", seeds, runs, args, {})) == {"dense"}
+    assert set(cv.readings("verdicts_as_trained", seeds, runs, args, {})) == {"dense"}
 
 
 def test_a_confirmatory_inference_run_takes_fresh_seeds_or_refuses_negative_ones(capsys):
